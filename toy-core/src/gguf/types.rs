@@ -1,0 +1,328 @@
+//! GGUF value and tensor types.
+
+use std::fmt;
+
+/// A ggml tensor type: how the elements of a tensor are stored.
+///
+/// Quantized types store elements in blocks of `block_size()` values that take `type_size()` bytes.
+/// The ids are ggml's (`enum ggml_type`); ids of types we do not know are kept in `Unknown` so that
+/// `describe` can still name them, but such tensors cannot be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+    I8,
+    I16,
+    I32,
+    I64,
+    F64,
+    BF16,
+}
+
+impl GgmlType {
+    /// Every type we can size (and so read); ids follow ggml's `enum ggml_type`.
+    pub const ALL: [GgmlType; 20] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q8_1,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::Q8K,
+        GgmlType::I8,
+        GgmlType::I16,
+        GgmlType::I32,
+        GgmlType::I64,
+        GgmlType::F64,
+        GgmlType::BF16,
+    ];
+
+    pub fn from_id(id: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.id() == id)
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q8_1 => 9,
+            GgmlType::Q2K => 10,
+            GgmlType::Q3K => 11,
+            GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
+            GgmlType::Q6K => 14,
+            GgmlType::Q8K => 15,
+            GgmlType::I8 => 24,
+            GgmlType::I16 => 25,
+            GgmlType::I32 => 26,
+            GgmlType::I64 => 27,
+            GgmlType::F64 => 28,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// Elements per block (1 for plain types).
+    pub fn block_size(self) -> usize {
+        match self {
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::Q8_1 => 32,
+            GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::Q8K => 256,
+            _ => 1,
+        }
+    }
+
+    /// Bytes per block (per element for plain types).
+    pub fn type_size(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::I32 => 4,
+            GgmlType::F16 | GgmlType::BF16 | GgmlType::I16 => 2,
+            GgmlType::I8 => 1,
+            GgmlType::I64 | GgmlType::F64 => 8,
+            GgmlType::Q4_0 => 2 + 16,
+            GgmlType::Q4_1 => 2 + 2 + 16,
+            GgmlType::Q5_0 => 2 + 4 + 16,
+            GgmlType::Q5_1 => 2 + 2 + 4 + 16,
+            GgmlType::Q8_0 => 2 + 32,
+            GgmlType::Q8_1 => 4 + 32,
+            GgmlType::Q2K => 16 + 64 + 2 + 2,
+            GgmlType::Q3K => 32 + 64 + 12 + 2,
+            GgmlType::Q4K => 2 + 2 + 12 + 128,
+            GgmlType::Q5K => 2 + 2 + 12 + 32 + 128,
+            GgmlType::Q6K => 128 + 64 + 16 + 2,
+            GgmlType::Q8K => 4 + 256 + 2 * 16,
+        }
+    }
+
+    /// Bytes taken by a row of `n` elements, or `None` if `n` is not a whole number of blocks.
+    pub fn row_bytes(self, n: u64) -> Option<u64> {
+        let bs = self.block_size() as u64;
+        if n % bs != 0 {
+            return None;
+        }
+        (n / bs).checked_mul(self.type_size() as u64)
+    }
+
+    /// The name ggml and llama.cpp print (`Q8_0`, `Q4_K`, `F32`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q8_1 => "Q8_1",
+            GgmlType::Q2K => "Q2_K",
+            GgmlType::Q3K => "Q3_K",
+            GgmlType::Q4K => "Q4_K",
+            GgmlType::Q5K => "Q5_K",
+            GgmlType::Q6K => "Q6_K",
+            GgmlType::Q8K => "Q8_K",
+            GgmlType::I8 => "I8",
+            GgmlType::I16 => "I16",
+            GgmlType::I32 => "I32",
+            GgmlType::I64 => "I64",
+            GgmlType::F64 => "F64",
+            GgmlType::BF16 => "BF16",
+        }
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The type tag of a metadata value (`enum gguf_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueType {
+    U8 = 0,
+    I8 = 1,
+    U16 = 2,
+    I16 = 3,
+    U32 = 4,
+    I32 = 5,
+    F32 = 6,
+    Bool = 7,
+    String = 8,
+    Array = 9,
+    U64 = 10,
+    I64 = 11,
+    F64 = 12,
+}
+
+impl ValueType {
+    pub fn from_id(id: u32) -> Option<Self> {
+        use ValueType::*;
+        Some(match id {
+            0 => U8,
+            1 => I8,
+            2 => U16,
+            3 => I16,
+            4 => U32,
+            5 => I32,
+            6 => F32,
+            7 => Bool,
+            8 => String,
+            9 => Array,
+            10 => U64,
+            11 => I64,
+            12 => F64,
+            _ => return None,
+        })
+    }
+
+    /// The smallest number of bytes one value of this type takes in a file (used to bound
+    /// array counts before allocating).
+    pub fn min_size(self) -> u64 {
+        use ValueType::*;
+        match self {
+            U8 | I8 | Bool => 1,
+            U16 | I16 => 2,
+            U32 | I32 | F32 => 4,
+            U64 | I64 | F64 | String => 8,
+            Array => 12,
+        }
+    }
+}
+
+/// A metadata value. Arrays keep their element type so that an empty array round-trips.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    Bool(bool),
+    String(String),
+    Array(ValueType, Vec<Value>),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+impl Value {
+    pub fn value_type(&self) -> ValueType {
+        match self {
+            Value::U8(_) => ValueType::U8,
+            Value::I8(_) => ValueType::I8,
+            Value::U16(_) => ValueType::U16,
+            Value::I16(_) => ValueType::I16,
+            Value::U32(_) => ValueType::U32,
+            Value::I32(_) => ValueType::I32,
+            Value::F32(_) => ValueType::F32,
+            Value::Bool(_) => ValueType::Bool,
+            Value::String(_) => ValueType::String,
+            Value::Array(..) => ValueType::Array,
+            Value::U64(_) => ValueType::U64,
+            Value::I64(_) => ValueType::I64,
+            Value::F64(_) => ValueType::F64,
+        }
+    }
+
+    /// Any integer value that fits in a u64 (metadata writers differ in the width they pick).
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U8(v) => Some(v as u64),
+            Value::U16(v) => Some(v as u64),
+            Value::U32(v) => Some(v as u64),
+            Value::U64(v) => Some(v),
+            Value::I8(v) => u64::try_from(v).ok(),
+            Value::I16(v) => u64::try_from(v).ok(),
+            Value::I32(v) => u64::try_from(v).ok(),
+            Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Value::I8(v) => Some(v as i64),
+            Value::I16(v) => Some(v as i64),
+            Value::I32(v) => Some(v as i64),
+            Value::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    /// Any float or integer value as f64.
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F32(v) => Some(v as f64),
+            Value::F64(v) => Some(v),
+            _ => self.as_i64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Value::Bool(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(_, v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// A short human rendering (arrays are summarized).
+    pub fn summary(&self) -> String {
+        match self {
+            Value::String(s) if s.len() > 80 => format!("{:?}…", &s[..s.floor_char_boundary(80)]),
+            Value::String(s) => format!("{s:?}"),
+            Value::Array(t, v) => format!("[{:?}; {}]", t, v.len()),
+            Value::F32(v) => format!("{v}"),
+            Value::F64(v) => format!("{v}"),
+            Value::Bool(v) => format!("{v}"),
+            other => format!("{}", other.as_i64().unwrap_or_default()),
+        }
+    }
+}

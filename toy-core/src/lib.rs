@@ -1,0 +1,7 @@
+//! toy-core: formats and host-side logic, no model math.
+//!
+//! GGUF read/write/dequantize/quantize ([`gguf`]), the tokenizer built from GGUF metadata
+//! ([`tokenizer`]), chat templates ([`chat`]), the model configuration read from metadata
+//! ([`config`]) and sampling ([`sampling`]).
+
+pub mod gguf;
