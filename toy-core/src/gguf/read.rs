@@ -19,8 +19,8 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 pub const MAX_DIMS: u32 = 4;
 /// Longest tensor name ggml accepts (`GGML_MAX_NAME - 1`).
 pub const MAX_NAME_LEN: u64 = 63;
-/// Deepest nesting of arrays we accept (real files use 1).
-const MAX_ARRAY_DEPTH: u32 = 4;
+/// Deepest nesting of arrays we accept (real files use 1); the writer refuses deeper ones too.
+pub(super) const MAX_ARRAY_DEPTH: u32 = 4;
 
 /// One tensor's header entry.
 #[derive(Debug, Clone, PartialEq)]
@@ -96,7 +96,10 @@ impl GgufFile {
     /// Open and validate a GGUF file. The file is memory-mapped: tensor data is not copied.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let io = |source| GgufError::Io { path: path.to_path_buf(), source };
+        let io = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = File::open(path).map_err(io)?;
         if file.metadata().map_err(io)?.is_dir() {
             return Err(GgufError::Io {
@@ -132,29 +135,41 @@ impl GgufFile {
 
     /// A metadata value that must be present.
     pub fn require(&self, key: &str) -> Result<&Value> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))
+        self.get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))
     }
 
     pub fn get_str(&self, key: &str) -> Result<Option<&str>> {
-        self.get(key).map(|v| v.as_str().ok_or_else(|| wrong_type(key, "a string", v))).transpose()
+        self.get(key)
+            .map(|v| v.as_str().ok_or_else(|| wrong_type(key, "a string", v)))
+            .transpose()
     }
 
     pub fn get_u64(&self, key: &str) -> Result<Option<u64>> {
         self.get(key)
-            .map(|v| v.as_u64().ok_or_else(|| wrong_type(key, "an unsigned integer", v)))
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| wrong_type(key, "an unsigned integer", v))
+            })
             .transpose()
     }
 
     pub fn get_f64(&self, key: &str) -> Result<Option<f64>> {
-        self.get(key).map(|v| v.as_f64().ok_or_else(|| wrong_type(key, "a number", v))).transpose()
+        self.get(key)
+            .map(|v| v.as_f64().ok_or_else(|| wrong_type(key, "a number", v)))
+            .transpose()
     }
 
     pub fn get_bool(&self, key: &str) -> Result<Option<bool>> {
-        self.get(key).map(|v| v.as_bool().ok_or_else(|| wrong_type(key, "a bool", v))).transpose()
+        self.get(key)
+            .map(|v| v.as_bool().ok_or_else(|| wrong_type(key, "a bool", v)))
+            .transpose()
     }
 
     pub fn get_array(&self, key: &str) -> Result<Option<&[Value]>> {
-        self.get(key).map(|v| v.as_array().ok_or_else(|| wrong_type(key, "an array", v))).transpose()
+        self.get(key)
+            .map(|v| v.as_array().ok_or_else(|| wrong_type(key, "an array", v)))
+            .transpose()
     }
 
     /// `general.architecture`, which prefixes most model keys.
@@ -178,7 +193,9 @@ impl GgufFile {
         let mut r = Cursor { bytes, pos: 0 };
         let magic = r.take(4, "magic")?;
         if magic != MAGIC {
-            return Err(GgufError::BadMagic([magic[0], magic[1], magic[2], magic[3]]));
+            return Err(GgufError::BadMagic([
+                magic[0], magic[1], magic[2], magic[3],
+            ]));
         }
         let version = r.u32("version")?;
         if version.swap_bytes() == 2 || version.swap_bytes() == 3 {
@@ -198,8 +215,10 @@ impl GgufFile {
         for _ in 0..n_kv {
             let key = r.string("metadata key")?;
             let tag = r.u32("value type")?;
-            let ty = ValueType::from_id(tag)
-                .ok_or_else(|| GgufError::UnknownValueType { key: key.clone(), tag })?;
+            let ty = ValueType::from_id(tag).ok_or_else(|| GgufError::UnknownValueType {
+                key: key.clone(),
+                tag,
+            })?;
             let value = r.value(ty, &key, 0)?;
             if key_index.insert(key.clone(), metadata.len()).is_some() {
                 return Err(GgufError::DuplicateKey(key));
@@ -207,7 +226,12 @@ impl GgufFile {
             metadata.push((key, value));
         }
 
-        let alignment = match metadata.get(key_index.get("general.alignment").copied().unwrap_or(usize::MAX)) {
+        let alignment = match metadata.get(
+            key_index
+                .get("general.alignment")
+                .copied()
+                .unwrap_or(usize::MAX),
+        ) {
             None => DEFAULT_ALIGNMENT,
             Some((_, Value::U32(a))) if *a > 0 && a.is_power_of_two() => *a as u64,
             Some((_, v)) => {
@@ -223,7 +247,10 @@ impl GgufFile {
         for _ in 0..n_tensors {
             let name = r.string("tensor name")?;
             if name.len() as u64 > MAX_NAME_LEN {
-                return Err(GgufError::BadTensor { name, reason: "name longer than 63 bytes".into() });
+                return Err(GgufError::BadTensor {
+                    name,
+                    reason: "name longer than 63 bytes".into(),
+                });
             }
             let n_dims = r.u32("tensor dims")?;
             if n_dims == 0 || n_dims > MAX_DIMS {
@@ -237,19 +264,32 @@ impl GgufFile {
                 dims.push(r.u64("tensor dim")?);
             }
             let type_id = r.u32("tensor type")?;
-            let ggml_type = GgmlType::from_id(type_id)
-                .ok_or_else(|| GgufError::UnsupportedTensorType { name: name.clone(), type_id })?;
+            let ggml_type =
+                GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
+                    name: name.clone(),
+                    type_id,
+                })?;
             let offset = r.u64("tensor offset")?;
-            let info = TensorInfo { name: name.clone(), dims, ggml_type, offset };
+            let info = TensorInfo {
+                name: name.clone(),
+                dims,
+                ggml_type,
+                offset,
+            };
             check_tensor_shape(&info)?;
             if offset % alignment != 0 {
                 return Err(GgufError::BadTensor {
                     name,
-                    reason: format!("data offset {offset} is not a multiple of the alignment {alignment}"),
+                    reason: format!(
+                        "data offset {offset} is not a multiple of the alignment {alignment}"
+                    ),
                 });
             }
             if tensor_index.insert(name.clone(), tensors.len()).is_some() {
-                return Err(GgufError::BadTensor { name, reason: "duplicate tensor name".into() });
+                return Err(GgufError::BadTensor {
+                    name,
+                    reason: "duplicate tensor name".into(),
+                });
             }
             tensors.push(info);
         }
@@ -257,12 +297,14 @@ impl GgufFile {
         let data_offset = (r.pos as u64).next_multiple_of(alignment);
         let file_len = bytes.len() as u64;
         for t in &tensors {
-            let end = data_offset.checked_add(t.offset).and_then(|s| s.checked_add(t.n_bytes()));
+            let end = data_offset
+                .checked_add(t.offset)
+                .and_then(|s| s.checked_add(t.n_bytes()));
             match end {
                 Some(end) if end <= file_len => {}
                 _ => {
                     return Err(GgufError::Truncated {
-                        what: format!("data of tensor {}", t.name),
+                        what: format!("data of tensor {:?}", t.name),
                         need: end.unwrap_or(u64::MAX),
                         have: file_len,
                     });
@@ -285,26 +327,52 @@ impl GgufFile {
 }
 
 fn wrong_type(key: &str, expected: &'static str, found: &Value) -> GgufError {
-    GgufError::WrongType { key: key.to_string(), expected, found: format!("{:?}", found.value_type()) }
+    GgufError::WrongType {
+        key: key.to_string(),
+        expected,
+        found: format!("{:?}", found.value_type()),
+    }
 }
 
 /// Dims must be positive, their product must not overflow, and rows must hold whole blocks.
-fn check_tensor_shape(t: &TensorInfo) -> Result<()> {
-    let bad = |reason: String| GgufError::BadTensor { name: t.name.clone(), reason };
+/// (Shared with the writer, which refuses to write what the reader would refuse to read.)
+pub(super) fn check_tensor_shape(t: &TensorInfo) -> Result<()> {
+    let bad = |reason: String| GgufError::BadTensor {
+        name: t.name.clone(),
+        reason,
+    };
+    if t.dims.is_empty() || t.dims.len() > MAX_DIMS as usize {
+        return Err(bad(format!(
+            "{} dimensions (ggml allows 1 to {MAX_DIMS})",
+            t.dims.len()
+        )));
+    }
     if t.dims.iter().any(|&d| d == 0 || d > i64::MAX as u64) {
         return Err(bad(format!("invalid dims {:?}", t.dims)));
     }
+    // Checked apart from the size so that an overflowing row is not reported as a block-size
+    // mismatch (`row_bytes` returns None for both).
+    let block = t.ggml_type.block_size() as u64;
+    if t.dims[0] % block != 0 {
+        return Err(bad(format!(
+            "row length {} is not a multiple of the {} block size {block}",
+            t.dims[0], t.ggml_type
+        )));
+    }
     let n = t.dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
     let row = t.ggml_type.row_bytes(t.dims[0]);
-    let rows = t.dims.iter().skip(1).try_fold(1u64, |acc, &d| acc.checked_mul(d));
+    let rows = t
+        .dims
+        .iter()
+        .skip(1)
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d));
     match (n, row, rows) {
-        (Some(n), Some(row), Some(rows)) if n < i64::MAX as u64 && row.checked_mul(rows).is_some() => Ok(()),
-        (_, None, _) => Err(bad(format!(
-            "row length {} is not a multiple of the {} block size {}",
-            t.dims[0],
-            t.ggml_type,
-            t.ggml_type.block_size()
-        ))),
+        (Some(n), Some(row), Some(rows))
+            if n < i64::MAX as u64
+                && row.checked_mul(rows).is_some_and(|b| b < i64::MAX as u64) =>
+        {
+            Ok(())
+        }
         _ => Err(bad(format!("dims {:?} overflow", t.dims))),
     }
 }
@@ -322,8 +390,8 @@ impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
             return Err(GgufError::Truncated {
-                what: what.to_string(),
-                need: self.pos as u64 + n,
+                what: what.escape_debug().to_string(),
+                need: (self.pos as u64).saturating_add(n),
                 have: self.bytes.len() as u64,
             });
         }
@@ -333,7 +401,10 @@ impl<'a> Cursor<'a> {
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        Ok(self.take(N as u64, what)?.try_into().expect("length checked"))
+        Ok(self
+            .take(N as u64, what)?
+            .try_into()
+            .expect("length checked"))
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {
@@ -346,8 +417,15 @@ impl<'a> Cursor<'a> {
 
     /// A count of items of at least `min_size` bytes each must fit in what is left of the file.
     fn check_count(&self, count: u64, min_size: u64, what: &str) -> Result<()> {
-        if count.checked_mul(min_size).is_none_or(|need| need > self.remaining()) {
-            return Err(GgufError::TooLarge { what: what.to_string(), count, remaining: self.remaining() });
+        if count
+            .checked_mul(min_size)
+            .is_none_or(|need| need > self.remaining())
+        {
+            return Err(GgufError::TooLarge {
+                what: what.escape_debug().to_string(),
+                count,
+                remaining: self.remaining(),
+            });
         }
         Ok(())
     }
@@ -355,10 +433,15 @@ impl<'a> Cursor<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(what)?;
         if len > self.remaining() {
-            return Err(GgufError::TooLarge { what: format!("{what} length"), count: len, remaining: self.remaining() });
+            return Err(GgufError::TooLarge {
+                what: format!("{} length", what.escape_debug()),
+                count: len,
+                remaining: self.remaining(),
+            });
         }
         let raw = self.take(len, what)?;
-        String::from_utf8(raw.to_vec()).map_err(|_| GgufError::InvalidUtf8(what.to_string()))
+        String::from_utf8(raw.to_vec())
+            .map_err(|_| GgufError::InvalidUtf8(what.escape_debug().to_string()))
     }
 
     fn value(&mut self, ty: ValueType, key: &str, depth: u32) -> Result<Value> {
@@ -376,18 +459,26 @@ impl<'a> Cursor<'a> {
             ValueType::Bool => match self.array::<1>(key)?[0] {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
-                b => return Err(GgufError::Invalid(format!("{key}: bool byte {b} is neither 0 nor 1"))),
+                b => {
+                    return Err(GgufError::Invalid(format!(
+                        "{key:?}: bool byte {b} is neither 0 nor 1"
+                    )));
+                }
             },
             ValueType::String => Value::String(self.string(key)?),
             ValueType::Array => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::Invalid(format!("{key}: arrays nested deeper than {MAX_ARRAY_DEPTH}")));
+                    return Err(GgufError::Invalid(format!(
+                        "{key:?}: arrays nested deeper than {MAX_ARRAY_DEPTH}"
+                    )));
                 }
                 let tag = self.u32(key)?;
-                let elem = ValueType::from_id(tag)
-                    .ok_or_else(|| GgufError::UnknownValueType { key: key.to_string(), tag })?;
+                let elem = ValueType::from_id(tag).ok_or_else(|| GgufError::UnknownValueType {
+                    key: key.to_string(),
+                    tag,
+                })?;
                 let count = self.u64(key)?;
-                self.check_count(count, elem.min_size(), &format!("array {key}"))?;
+                self.check_count(count, elem.min_size(), &format!("array {key} count"))?;
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(elem, key, depth + 1)?);
