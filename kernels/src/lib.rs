@@ -1,1 +1,89 @@
-//! placeholder for dependency build
+//! toy-kernels: the hot operations of toy behind one extension trait, [`ToyBackend`].
+//!
+//! Every op has a default body written with plain burn tensor ops ([`reference`]): that body is
+//! the specification every faster implementation is tested against, and it is what backends
+//! without an override run (`ndarray`). Overrides:
+//! - `Flex` (`--backend cpu`): native Rust loops on the tensor's host memory ([`flex`]), computing
+//!   quantized products the way ggml's CPU backend does (activations quantized to 8-bit blocks,
+//!   integer dot products, one scale multiply per block) — both the fast path and the way to
+//!   match llama.cpp's numbers.
+//!
+//! This crate knows nothing of models: ops take tensors and plain options.
+
+pub mod flex;
+pub mod quant;
+pub mod reference;
+
+use burn::backend::NdArray;
+use burn::backend::ndarray::{FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Rotate pairs `(2i, 2i+1)` (ggml's normal mode; GGUF `llama` weights are permuted for it).
+    Interleaved,
+    /// Rotate pairs `(i, i + d/2)` (ggml's neox mode).
+    Neox,
+}
+
+/// Options of causal attention.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionOptions {
+    /// Multiplies `q·k` before the soft-cap and softmax (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Position of the first query row among the keys: query row `i` sees keys `j <= i + q_offset`.
+    /// With a KV cache holding `past` tokens, `q_offset = past` (seq_k = past + seq_q).
+    pub q_offset: usize,
+    /// Sliding window: query row `i` sees only the last `window` keys up to its own position.
+    pub window: Option<usize>,
+    /// Logit soft-cap: `scores = cap * tanh(scores / cap)`.
+    pub softcap: Option<f32>,
+}
+
+/// A burn backend with toy's hot ops. Default bodies are the reference implementation.
+///
+/// Quantized weights are passed in the packed layout of [`quant`]: `words` holds the GGUF block
+/// quants as little-endian u32 words (`DType::U32`, shape `[n, k / per_word]`), `scales` the
+/// per-block scales as f32 (shape `[n, k / 32]`).
+pub trait ToyBackend: Backend {
+    /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q8_0 weight `W`.
+    fn q8_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::q8_0_matmul::<Self>(x, words, scales)
+    }
+
+    /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q4_0 weight `W`.
+    fn q4_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::q4_0_matmul::<Self>(x, words, scales)
+    }
+
+    /// Rotary embedding of `x[b, h, t, d]` at `positions[t]`, rotating the first
+    /// `2 * inv_freqs.len()` dims of each head (the rest pass through).
+    fn rope(
+        x: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        inv_freqs: FloatTensor<Self>,
+        layout: RopeLayout,
+    ) -> FloatTensor<Self> {
+        reference::rope::<Self>(x, positions, inv_freqs, layout)
+    }
+
+    /// Causal attention. `q[b, h, tq, d]`, `k`/`v` `[b, h_kv, tk, d]` with `h` a multiple of
+    /// `h_kv`: query head `i` uses K/V head `i / (h / h_kv)` (grouped-query attention).
+    fn attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        reference::attention::<Self>(q, k, v, options)
+    }
+}
+
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> ToyBackend for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>>,
+    NdArrayTensor: From<SharedArray<I>>,
+{
+}

@@ -1,1 +1,75 @@
-fn main() {}
+//! `toy`: train, run, evaluate and serve transformer language models from GGUF files.
+//!
+//! This binary only parses arguments, picks the backend and draws progress; the work lives in
+//! the library crates.
+
+mod backend;
+mod bench;
+mod convert;
+mod describe;
+mod infer;
+mod tokenize;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::backend::BackendKind;
+
+/// Run transformer language models from GGUF files — token-exact with llama.cpp — on the CPU.
+///
+/// Examples:
+///   toy infer model.gguf -p "The capital of France is" -n 32
+///   toy infer model.gguf --chat -p "Write a haiku about Rust"
+///   toy tokenize model.gguf "Hello world"
+///   toy describe model.gguf
+///   toy convert model.Q4_1.gguf model.Q8_0.gguf --to q8_0
+#[derive(Parser, Debug)]
+#[command(name = "toy", version, about, long_about = None, verbatim_doc_comment)]
+struct Cli {
+    /// Compute backend: `cpu` (burn Flex, native kernels) or `ndarray` (burn NdArray,
+    /// reference kernels).
+    #[arg(long, global = true, env = "TOY_BACKEND", default_value = "cpu", value_enum)]
+    backend: BackendKind,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate text from a prompt, streaming tokens as they come.
+    Infer(infer::InferArgs),
+    /// Print the token ids of a text, as llama-tokenize does.
+    Tokenize(tokenize::TokenizeArgs),
+    /// Print a model's architecture card: shape, RoPE, vocabulary, tensor types and sizes.
+    Describe(describe::DescribeArgs),
+    /// Rewrite a model with its weights in another type (metadata and tokenizer kept).
+    Convert(convert::ConvertArgs),
+    /// Measure prompt processing and generation speed (tokens/s).
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("TOY_LOG"))
+        .init();
+    let result = match cli.command {
+        Command::Infer(args) => infer::run(cli.backend, args),
+        Command::Tokenize(args) => tokenize::run(args),
+        Command::Describe(args) => describe::run(args),
+        Command::Convert(args) => convert::run(args),
+        Command::Bench(args) => bench::run(cli.backend, args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // One line: the error and its causes.
+            let chain: Vec<String> = err.chain().map(|c| c.to_string()).collect();
+            eprintln!("error: {}", chain.join(": "));
+            ExitCode::FAILURE
+        }
+    }
+}

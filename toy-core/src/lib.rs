@@ -4,4 +4,8 @@
 //! ([`tokenizer`]), chat templates ([`chat`]), the model configuration read from metadata
 //! ([`config`]) and sampling ([`sampling`]).
 
+pub mod chat;
+pub mod config;
 pub mod gguf;
+pub mod sampling;
+pub mod tokenizer;

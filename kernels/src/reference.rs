@@ -1,0 +1,140 @@
+//! Reference bodies of the [`ToyBackend`](crate::ToyBackend) ops, in plain burn tensor ops.
+//!
+//! These are the specification: short, obviously right, and run by any backend. Faster
+//! implementations are tested against them.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Bool, ElementConversion, Int, Tensor, TensorData, TensorPrimitive, activation};
+
+use crate::quant::BLOCK;
+use crate::{AttentionOptions, RopeLayout};
+
+fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// Byte `b` (0..4) of every u32 word, as an Int tensor of values 0..=255. Works for U32 words
+/// and for words bit-cast to I32/I64 (the mask discards sign extension).
+fn word_byte<B: Backend>(words: &Tensor<B, 2, Int>, b: usize) -> Tensor<B, 2, Int> {
+    words.clone().bitwise_right_shift_scalar(((8 * b) as i64).elem()).bitwise_and_scalar(0xFF.elem())
+}
+
+/// Dequantize a packed Q8_0 weight (`words[n, k/4]`, `scales[n, k/32]`) to `[n, k]`.
+pub fn dequant_q8_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [n, kw] = words.dims();
+    let k = kw * 4;
+    let bytes: Vec<_> = (0..4).map(|b| word_byte(&words, b)).collect();
+    // Byte b of word j is element 4j + b.
+    let u = Tensor::stack::<3>(bytes, 2).reshape([n, k]).float();
+    let q = u.clone() - u.greater_equal_elem(128.0).float().mul_scalar(256.0); // i8 sign
+    (q.reshape([n, k / BLOCK, BLOCK]) * scales.unsqueeze_dim::<3>(2)).reshape([n, k])
+}
+
+/// Dequantize a packed Q4_0 weight (`words[n, k/8]`, `scales[n, k/32]`) to `[n, k]`.
+pub fn dequant_q4_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [n, kw] = words.dims();
+    let k = kw * 8;
+    // Nibble s of a word: s = 2b is the low nibble of byte b, s = 2b + 1 its high nibble.
+    // Order them (low nibbles of bytes 0..4, then high nibbles) so that a block's 4 words
+    // become [half, word, byte]: element half*16 + 4*word + byte, ggml's Q4_0 order.
+    let nibbles: Vec<_> = [0, 2, 4, 6, 1, 3, 5, 7]
+        .into_iter()
+        .map(|s| words.clone().bitwise_right_shift_scalar(((4 * s) as i64).elem()).bitwise_and_scalar(0xF.elem()))
+        .collect();
+    let q = Tensor::stack::<3>(nibbles, 2)
+        .reshape([n, k / BLOCK, 4, 2, 4])
+        .permute([0, 1, 3, 2, 4])
+        .reshape([n, k / BLOCK, BLOCK])
+        .float()
+        .sub_scalar(8.0);
+    (q * scales.unsqueeze_dim::<3>(2)).reshape([n, k])
+}
+
+pub fn q8_0_matmul<B: Backend>(x: FloatTensor<B>, words: IntTensor<B>, scales: FloatTensor<B>) -> FloatTensor<B> {
+    let w = dequant_q8_0::<B>(Tensor::from_primitive(words), float(scales));
+    float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
+}
+
+pub fn q4_0_matmul<B: Backend>(x: FloatTensor<B>, words: IntTensor<B>, scales: FloatTensor<B>) -> FloatTensor<B> {
+    let w = dequant_q4_0::<B>(Tensor::from_primitive(words), float(scales));
+    float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
+}
+
+pub fn rope<B: Backend>(
+    x: FloatTensor<B>,
+    positions: IntTensor<B>,
+    inv_freqs: FloatTensor<B>,
+    layout: RopeLayout,
+) -> FloatTensor<B> {
+    let x: Tensor<B, 4> = float(x);
+    let [b, h, t, d] = x.dims();
+    let inv_freqs: Tensor<B, 1> = float(inv_freqs);
+    let half = inv_freqs.dims()[0];
+    let rot = 2 * half;
+    let positions: Tensor<B, 1, Int> = Tensor::from_primitive(positions);
+    // angles[t, i] = position[t] * inv_freq[i]
+    let angles = positions.float().reshape([t, 1]) * inv_freqs.reshape([1, half]);
+    let cos = angles.clone().cos().reshape([1, 1, t, half]);
+    let sin = angles.sin().reshape([1, 1, t, half]);
+
+    let x_rot = x.clone().narrow(3, 0, rot);
+    let (x0, x1) = match layout {
+        RopeLayout::Interleaved => {
+            let pairs = x_rot.reshape([b, h, t, half, 2]);
+            (pairs.clone().narrow(4, 0, 1).reshape([b, h, t, half]), pairs.narrow(4, 1, 1).reshape([b, h, t, half]))
+        }
+        RopeLayout::Neox => (x_rot.clone().narrow(3, 0, half), x_rot.narrow(3, half, half)),
+    };
+    let y0 = x0.clone() * cos.clone() - x1.clone() * sin.clone();
+    let y1 = x0 * sin + x1 * cos;
+    let rotated = match layout {
+        RopeLayout::Interleaved => Tensor::stack::<5>(vec![y0, y1], 4).reshape([b, h, t, rot]),
+        RopeLayout::Neox => Tensor::cat(vec![y0, y1], 3),
+    };
+    let out = if rot < d { Tensor::cat(vec![rotated, x.narrow(3, rot, d - rot)], 3) } else { rotated };
+    out.into_primitive().tensor()
+}
+
+/// Which keys each query row may not see: `[tq, tk]`, true = masked.
+pub fn causal_mask(tq: usize, tk: usize, options: &AttentionOptions) -> Vec<bool> {
+    let mut mask = Vec::with_capacity(tq * tk);
+    for i in 0..tq {
+        let pos = i + options.q_offset;
+        for j in 0..tk {
+            let future = j > pos;
+            let too_old = options.window.is_some_and(|w| pos - j.min(pos) >= w);
+            mask.push(future || too_old);
+        }
+    }
+    mask
+}
+
+pub fn attention<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    options: AttentionOptions,
+) -> FloatTensor<B> {
+    let q: Tensor<B, 4> = float(q);
+    let k: Tensor<B, 4> = float(k);
+    let v: Tensor<B, 4> = float(v);
+    let [b, h, tq, d] = q.dims();
+    let [_, h_kv, tk, _] = k.dims();
+    let group = h / h_kv;
+    // Grouped-query attention without copying K/V: the `group` query heads that share a K/V
+    // head become `group * tq` rows against that head.
+    let q = q.reshape([b, h_kv, group * tq, d]);
+    let mut scores = q.matmul(k.transpose()).mul_scalar(options.scale);
+    if let Some(cap) = options.softcap {
+        scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
+    }
+    let mask = causal_mask(tq, tk, &options);
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [tq, tk]), &scores.device())
+        .unsqueeze_dim::<3>(0)
+        .expand([group, tq, tk])
+        .reshape([1, 1, group * tq, tk])
+        .expand([b, h_kv, group * tq, tk]);
+    let probs = activation::softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+    probs.matmul(v).reshape([b, h, tq, d]).into_primitive().tensor()
+}

@@ -1,0 +1,259 @@
+//! Every ToyBackend op against an independent f64 host computation, on both CPU backends, and the
+//! native Flex quantized matmuls against the reference bodies.
+
+use burn::backend::{Flex, NdArray};
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
+use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
+use toy_kernels::quant::{PackedWeight, pack_q4_0, pack_q8_0};
+use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend, reference};
+
+/// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
+fn randn(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn float<B: ToyBackend, const D: usize>(v: Vec<f32>, shape: [usize; D], d: &B::Device) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(v, shape), d)
+}
+
+fn host<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().into_vec::<f32>().unwrap()
+}
+
+fn packed<B: ToyBackend>(p: &PackedWeight, d: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2>) {
+    let per_row = p.words.len() / p.rows;
+    (
+        Tensor::from_data(TensorData::new(p.words.clone(), [p.rows, per_row]), (d, DType::U32)),
+        float(p.scales.clone(), [p.rows, p.cols / 32], d),
+    )
+}
+
+/// Quantize a random `[n, k]` weight with ggml's reference quantizer and pack it.
+fn weight(ty: GgmlType, n: usize, k: usize, seed: u64) -> (PackedWeight, Vec<f32>) {
+    let w = randn(n * k, seed);
+    let blocks = quantize(ty, &w).unwrap();
+    let dense = dequantize_to_vec(ty, &blocks).unwrap();
+    let p = match ty {
+        GgmlType::Q8_0 => pack_q8_0(&blocks, n, k),
+        _ => pack_q4_0(&blocks, n, k),
+    };
+    (p, dense)
+}
+
+/// The reference dequantization of the packed layout is bit-identical to toy-core's GGUF
+/// dequantizer (itself bit-identical to gguf-py / ggml).
+fn dequant_matches_gguf<B: ToyBackend>() {
+    let d = Default::default();
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+        let (p, dense) = weight(ty, 5, 96, 1);
+        let (words, scales) = packed::<B>(&p, &d);
+        let deq = match ty {
+            GgmlType::Q8_0 => reference::dequant_q8_0(words, scales),
+            _ => reference::dequant_q4_0(words, scales),
+        };
+        let got = host(deq);
+        assert!(got.iter().zip(&dense).all(|(a, b)| a.to_bits() == b.to_bits()), "{ty}: dequant differs");
+    }
+}
+
+/// `y = x · Wᵀ` in f64 from the dequantized weight.
+fn matmul_f64(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut y = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            y[i * n + j] = (0..k).map(|l| x[i * k + l] as f64 * w[j * k + l] as f64).sum();
+        }
+    }
+    y
+}
+
+/// The matmul of `B` against f64, within a bound for activation quantization when
+/// `quantizes_activations` (ggml's algorithm rounds x to 8-bit blocks: each block's error is at
+/// most one quantization step amax/127 per element, times Σ|w| over the block), else 1e-5
+/// relative to Σ|x||w|.
+fn check_matmul<B: ToyBackend>(ty: GgmlType, quantizes_activations: bool) {
+    let d = Default::default();
+    for (m, k, n) in [(1, 32, 1), (1, 96, 37), (3, 160, 64), (8, 64, 9), (17, 256, 33)] {
+        let (p, w) = weight(ty, n, k, 42 + m as u64);
+        let x = randn(m * k, 7 + n as u64);
+        let (words, scales) = packed::<B>(&p, &d);
+        let xt = float::<B, 2>(x.clone(), [m, k], &d);
+        let y = match ty {
+            GgmlType::Q8_0 => B::q8_0_matmul(xt.into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor()),
+            _ => B::q4_0_matmul(xt.into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor()),
+        };
+        let got = host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)));
+        let want = matmul_f64(&x, &w, m, k, n);
+        for i in 0..m {
+            for j in 0..n {
+                let abs_sum: f64 = (0..k).map(|l| (x[i * k + l] as f64 * w[j * k + l] as f64).abs()).sum();
+                let mut bound = 1e-5 * abs_sum + 1e-6;
+                if quantizes_activations {
+                    bound += (0..k / 32)
+                        .map(|b| {
+                            let amax = x[i * k + b * 32..i * k + b * 32 + 32].iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+                            let wsum: f64 = (0..32).map(|l| w[j * k + b * 32 + l].abs() as f64).sum();
+                            amax / 127.0 * wsum
+                        })
+                        .sum::<f64>();
+                }
+                let err = (got[i * n + j] as f64 - want[i * n + j]).abs();
+                assert!(err <= bound, "{ty} m={m} k={k} n={n} [{i},{j}]: got {} want {} err {err} > {bound}", got[i * n + j], want[i * n + j]);
+            }
+        }
+    }
+}
+
+fn rope_f64(x: &[f32], shape: [usize; 4], pos: &[i64], inv: &[f32], layout: RopeLayout) -> Vec<f64> {
+    let [b, h, t, d] = shape;
+    let half = inv.len();
+    let mut out: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    for bh in 0..b * h {
+        for ti in 0..t {
+            let base = (bh * t + ti) * d;
+            for i in 0..half {
+                let a = pos[ti] as f64 * inv[i] as f64;
+                let (i0, i1) = match layout {
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    RopeLayout::Neox => (i, i + half),
+                };
+                let (x0, x1) = (x[base + i0] as f64, x[base + i1] as f64);
+                out[base + i0] = x0 * a.cos() - x1 * a.sin();
+                out[base + i1] = x0 * a.sin() + x1 * a.cos();
+            }
+        }
+    }
+    out
+}
+
+fn check_rope<B: ToyBackend>() {
+    let d = Default::default();
+    // head_dim 64 fully rotated, and 80 with 32 rotated dims (partial rotary: the rest passes through).
+    for (shape, rot) in [([1, 3, 5, 64], 64), ([2, 2, 3, 80], 32)] {
+        for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
+            let n: usize = shape.iter().product();
+            let x = randn(n, 3);
+            let pos: Vec<i64> = (0..shape[2] as i64).map(|p| p * 37 + 11).collect();
+            let inv: Vec<f32> = (0..rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32)).collect();
+            let y = B::rope(
+                float::<B, 4>(x.clone(), shape, &d).into_primitive().tensor(),
+                Tensor::<B, 1, Int>::from_data(TensorData::new(pos.clone(), [shape[2]]), &d).into_primitive(),
+                float::<B, 1>(inv.clone(), [rot / 2], &d).into_primitive().tensor(),
+                layout,
+            );
+            let got = host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(y)));
+            let want = rope_f64(&x, shape, &pos, &inv, layout);
+            // Angles up to ~200 rad: f32 argument rounding gives ~1e-5 absolute error.
+            for (g, w) in got.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-4, "{layout:?} {shape:?}: {g} vs {w}");
+            }
+        }
+    }
+}
+
+fn attention_f64(q: &[f32], k: &[f32], v: &[f32], qs: [usize; 4], tk: usize, hkv: usize, o: &AttentionOptions) -> Vec<f64> {
+    let [b, h, tq, d] = qs;
+    let mask = reference::causal_mask(tq, tk, o);
+    let mut out = vec![0.0; b * h * tq * d];
+    for bi in 0..b {
+        for hi in 0..h {
+            let kh = hi / (h / hkv);
+            for i in 0..tq {
+                let qrow = &q[((bi * h + hi) * tq + i) * d..][..d];
+                let scores: Vec<f64> = (0..tk)
+                    .map(|j| {
+                        let krow = &k[((bi * hkv + kh) * tk + j) * d..][..d];
+                        let mut s = qrow.iter().zip(krow).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * o.scale as f64;
+                        if let Some(c) = o.softcap {
+                            s = c as f64 * (s / c as f64).tanh();
+                        }
+                        if mask[i * tk + j] { f64::NEG_INFINITY } else { s }
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for j in 0..tk {
+                    let vrow = &v[((bi * hkv + kh) * tk + j) * d..][..d];
+                    for c in 0..d {
+                        out[((bi * h + hi) * tq + i) * d + c] += e[j] / z * vrow[c] as f64;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn check_attention<B: ToyBackend>() {
+    let d = Default::default();
+    // (batch, heads, kv heads, tq, tk, head dim, window, softcap): GQA 1 and 3, decode (tq = 1)
+    // with a cache, chunked prefill (tq < tk), sliding window, soft-cap.
+    let cases = [
+        (1, 3, 3, 4, 4, 16, None, None),
+        (2, 6, 2, 1, 9, 64, None, None),
+        (1, 6, 2, 5, 12, 32, Some(4), None),
+        (1, 8, 1, 3, 3, 16, None, Some(5.0)),
+    ];
+    for (b, h, hkv, tq, tk, dim, window, softcap) in cases {
+        let o = AttentionOptions { scale: 1.0 / (dim as f32).sqrt(), q_offset: tk - tq, window, softcap };
+        let q = randn(b * h * tq * dim, 1);
+        let k = randn(b * hkv * tk * dim, 2);
+        let v = randn(b * hkv * tk * dim, 3);
+        let y = <B as ToyBackend>::attention(
+            float::<B, 4>(q.clone(), [b, h, tq, dim], &d).into_primitive().tensor(),
+            float::<B, 4>(k.clone(), [b, hkv, tk, dim], &d).into_primitive().tensor(),
+            float::<B, 4>(v.clone(), [b, hkv, tk, dim], &d).into_primitive().tensor(),
+            o,
+        );
+        let got = host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(y)));
+        let want = attention_f64(&q, &k, &v, [b, h, tq, dim], tk, hkv, &o);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((*g as f64 - w).abs() < 1e-5, "attention case b{b} h{h}/{hkv} tq{tq} tk{tk}: {g} vs {w}");
+        }
+    }
+}
+
+#[test]
+fn dequant_reference_is_bit_exact() {
+    dequant_matches_gguf::<Flex>();
+    dequant_matches_gguf::<NdArray>();
+}
+
+#[test]
+fn q8_0_matmul_flex_native() {
+    check_matmul::<Flex>(GgmlType::Q8_0, true);
+}
+
+#[test]
+fn q4_0_matmul_flex_native() {
+    check_matmul::<Flex>(GgmlType::Q4_0, true);
+}
+
+#[test]
+fn quant_matmul_reference_ndarray() {
+    check_matmul::<NdArray>(GgmlType::Q8_0, false);
+    check_matmul::<NdArray>(GgmlType::Q4_0, false);
+}
+
+#[test]
+fn rope_matches_f64() {
+    check_rope::<Flex>();
+    check_rope::<NdArray>();
+}
+
+#[test]
+fn attention_matches_f64() {
+    check_attention::<Flex>();
+    check_attention::<NdArray>();
+}

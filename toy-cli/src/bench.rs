@@ -1,0 +1,150 @@
+//! `toy bench`: prompt processing (ppN) and generation (tgN) speed, llama-bench style, optionally
+//! side by side with llama.cpp's own `llama-bench` on the same file in the same run.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::Args;
+use toy_kernels::ToyBackend;
+
+use crate::backend::{BackendJob, BackendKind, dispatch};
+use crate::infer::load_model;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The model, a GGUF file.
+    pub model: PathBuf,
+    /// Prompt lengths to measure (prompt processing, one forward each).
+    #[arg(short = 'p', long, value_delimiter = ',', default_value = "128")]
+    pub prompt: Vec<usize>,
+    /// Tokens to generate one at a time (text generation).
+    #[arg(short = 'n', long, default_value_t = 64)]
+    pub n_gen: usize,
+    /// Repetitions of each test after one warm-up (the median is reported).
+    #[arg(short = 'r', long, default_value_t = 3)]
+    pub reps: usize,
+    /// CPU threads (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+    /// Also run this `llama-bench` binary on the same file and print its numbers alongside.
+    #[arg(long, value_name = "PATH")]
+    pub vs_llama_cpp: Option<PathBuf>,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    pub test: String,
+    pub tokens: usize,
+    pub toy_tok_s: f64,
+    pub toy_samples: Vec<f64>,
+    pub llama_cpp_tok_s: Option<f64>,
+}
+
+struct BenchJob(BenchArgs);
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+impl BackendJob for BenchJob {
+    type Output = Vec<Row>;
+
+    fn run<B: ToyBackend>(self, device: B::Device) -> Result<Vec<Row>> {
+        let args = self.0;
+        let (_file, config, model) = load_model::<B>(&args.model, &device)?;
+        // Fixed, arbitrary token ids (the speed does not depend on which).
+        let ids = |n: usize| {
+            let v: Vec<i64> = (0..n).map(|i| ((i * 7919 + 17) % config.vocab_size) as i64).collect();
+            Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, n]), &device)
+        };
+        let sync = |t: Tensor<B, 2>| t.into_data(); // forces the computation to finish
+        let mut rows = Vec::new();
+        for &p in &args.prompt {
+            let mut samples = Vec::new();
+            for rep in 0..=args.reps {
+                let mut cache = model.new_cache();
+                let start = Instant::now();
+                sync(model.forward_last(ids(p), &mut cache));
+                let s = p as f64 / start.elapsed().as_secs_f64();
+                if rep > 0 {
+                    samples.push(s);
+                }
+            }
+            rows.push(Row { test: format!("pp{p}"), tokens: p, toy_tok_s: median(&mut samples.clone()), toy_samples: samples, llama_cpp_tok_s: None });
+        }
+        if args.n_gen > 0 {
+            let mut samples = Vec::new();
+            for rep in 0..=args.reps {
+                let mut cache = model.new_cache();
+                let start = Instant::now();
+                for i in 0..args.n_gen {
+                    sync(model.forward_last(ids(i + 1).narrow(1, i, 1), &mut cache));
+                }
+                let s = args.n_gen as f64 / start.elapsed().as_secs_f64();
+                if rep > 0 {
+                    samples.push(s);
+                }
+            }
+            rows.push(Row { test: format!("tg{}", args.n_gen), tokens: args.n_gen, toy_tok_s: median(&mut samples.clone()), toy_samples: samples, llama_cpp_tok_s: None });
+        }
+        Ok(rows)
+    }
+}
+
+/// Run llama-bench and return `test name -> avg tokens/s`.
+fn llama_bench(path: &PathBuf, args: &BenchArgs, threads: usize) -> Result<Vec<(String, f64)>> {
+    let prompts: Vec<String> = args.prompt.iter().map(|p| p.to_string()).collect();
+    let out = Command::new(path)
+        .args(["-m"]).arg(&args.model)
+        .args(["-t", &threads.to_string(), "-p", &prompts.join(","), "-n", &args.n_gen.to_string()])
+        .args(["-r", &args.reps.max(1).to_string(), "-o", "json"])
+        .output()
+        .with_context(|| format!("cannot run {}", path.display()))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", path.display(), String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    }
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("cannot parse llama-bench JSON")?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| {
+            let (p, n) = (r["n_prompt"].as_u64()?, r["n_gen"].as_u64()?);
+            let name = if n == 0 { format!("pp{p}") } else { format!("tg{n}") };
+            Some((name, r["avg_ts"].as_f64()?))
+        })
+        .collect())
+}
+
+pub fn run(backend: BackendKind, args: BenchArgs) -> Result<()> {
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().ok();
+    let mut rows = dispatch(backend, BenchJob(args.clone()))?;
+    if let Some(path) = &args.vs_llama_cpp {
+        for (name, ts) in llama_bench(path, &args, threads)? {
+            if let Some(row) = rows.iter_mut().find(|r| r.test == name) {
+                row.llama_cpp_tok_s = Some(ts);
+            }
+        }
+    }
+    let model = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    if args.json {
+        println!("{}", serde_json::json!({"model": model, "backend": backend.name(), "threads": threads, "rows": rows}));
+        return Ok(());
+    }
+    println!("| model | backend | threads | test | toy t/s | llama.cpp t/s | toy / llama.cpp |");
+    println!("| --- | --- | ---: | --- | ---: | ---: | ---: |");
+    for r in &rows {
+        let (lc, ratio) = match r.llama_cpp_tok_s {
+            Some(l) => (format!("{l:.2}"), format!("{:.2}", r.toy_tok_s / l)),
+            None => ("—".into(), "—".into()),
+        };
+        println!("| {model} | {} | {threads} | {} | {:.2} | {lc} | {ratio} |", backend.name(), r.test, r.toy_tok_s);
+    }
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! Chat templates: the Jinja templates that Hugging Face models ship (`tokenizer.chat_template`
+//! in GGUF) rendered with `minijinja` the way `transformers.apply_chat_template` renders them.
+//!
+//! What transformers sets up, and so what this module sets up:
+//! - `trim_blocks` and `lstrip_blocks` on (a newline after a block tag is dropped, whitespace
+//!   before a block tag on its line is dropped);
+//! - the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`;
+//! - the function `raise_exception(message)`, which templates call to refuse a conversation (for
+//!   example roles that do not alternate);
+//! - Python string and dict methods (`.strip()`, `.startswith()`, `.items()` …) through
+//!   `minijinja-contrib`'s pycompat callback, and `{% break %}`/`{% continue %}`.
+
+use minijinja::{Environment, Error, ErrorKind, context};
+use serde::{Deserialize, Serialize};
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` (templates may accept others, e.g. `tool`).
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// The template does not parse or fails while rendering.
+    #[error("chat template error: {0}")]
+    Template(String),
+    /// The template called `raise_exception`: the conversation is not one it accepts.
+    #[error("the chat template refused the conversation: {0}")]
+    Refused(String),
+}
+
+/// Marks errors that come from `raise_exception`, to tell them from template bugs.
+const RAISED: &str = "raise_exception: ";
+
+/// Render `template` for `messages`. With `add_generation_prompt`, the result ends with the
+/// header of an assistant turn (what the model then completes).
+pub fn render(
+    template: &str,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, ChatError> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<String, Error> {
+            Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("{RAISED}{message}"),
+            ))
+        },
+    );
+    env.add_template("chat", template)
+        .map_err(|e| ChatError::Template(describe(&e)))?;
+    let tmpl = env
+        .get_template("chat")
+        .map_err(|e| ChatError::Template(describe(&e)))?;
+    tmpl.render(context! {
+        messages => messages,
+        add_generation_prompt => add_generation_prompt,
+        bos_token => bos_token,
+        eos_token => eos_token,
+    })
+    .map_err(|e| match raised_message(&e) {
+        Some(msg) => ChatError::Refused(msg),
+        None => ChatError::Template(describe(&e)),
+    })
+}
+
+/// The message a template passed to `raise_exception`, if this error (or its cause) is one.
+fn raised_message(e: &Error) -> Option<String> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(mj) = err.downcast_ref::<Error>()
+            && let Some(detail) = mj.detail()
+            && let Some(msg) = detail.strip_prefix(RAISED)
+        {
+            return Some(msg.to_string());
+        }
+        cur = err.source();
+    }
+    None
+}
+
+/// A one-line description with the template line, and the causes.
+fn describe(e: &Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = std::error::Error::source(e);
+    while let Some(err) = cur {
+        s.push_str(": ");
+        s.push_str(&err.to_string());
+        cur = err.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    #[test]
+    fn chatml_by_hand() {
+        let msgs = [
+            ChatMessage::new("user", "Hi"),
+            ChatMessage::new("assistant", "Hello!"),
+        ];
+        assert_eq!(
+            render(CHATML, &msgs, true, "", "").unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            render(CHATML, &msgs[..1], false, "", "").unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_is_a_refusal() {
+        let t = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok";
+        let err = render(t, &[ChatMessage::new("assistant", "x")], false, "", "").unwrap_err();
+        assert!(
+            matches!(&err, ChatError::Refused(m) if m == "first must be user"),
+            "{err:?}"
+        );
+        assert_eq!(
+            render(t, &[ChatMessage::new("user", "x")], false, "", "").unwrap(),
+            "ok"
+        );
+    }
+
+    #[test]
+    fn broken_template_is_an_error_not_a_panic() {
+        let err = render("{% for m in messages %}", &[], false, "", "").unwrap_err();
+        assert!(matches!(err, ChatError::Template(_)), "{err:?}");
+        // An attribute of an undefined value fails, as in jinja2 (UndefinedError).
+        let err = render("{{ messages[0].content }}", &[], false, "", "").unwrap_err();
+        assert!(
+            matches!(&err, ChatError::Template(m) if m.contains("undefined")),
+            "{err:?}"
+        );
+        // Merely undefined renders empty, as in jinja2.
+        assert_eq!(render("[{{ nothing }}]", &[], false, "", "").unwrap(), "[]");
+    }
+
+    #[test]
+    fn python_methods_and_trim_blocks() {
+        let t = "{% for m in messages %}\n  {% if m.content.strip().startswith('!') %}\n[{{ m.content.strip()|upper }}]\n  {% endif %}\n{% endfor %}";
+        let msgs = [
+            ChatMessage::new("user", "  !hi  "),
+            ChatMessage::new("user", "no"),
+        ];
+        assert_eq!(render(t, &msgs, false, "", "").unwrap(), "[!HI]\n");
+    }
+
+    /// Every case of fixtures/chat/cases.json (jinja2 with transformers' settings).
+    #[test]
+    fn matches_jinja2_on_fixture_templates() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/chat/cases.json");
+        let text = std::fs::read_to_string(&path).expect("fixtures/chat/cases.json");
+        let fixture: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let cases = fixture["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 50);
+        let mut refusals = 0;
+        for case in cases {
+            let template = fixture["templates"][case["template"].as_str().unwrap()]
+                .as_str()
+                .unwrap();
+            let messages: Vec<ChatMessage> = serde_json::from_value(
+                fixture["conversations"][case["conversation"].as_str().unwrap()].clone(),
+            )
+            .unwrap();
+            let got = render(
+                template,
+                &messages,
+                case["add_generation_prompt"].as_bool().unwrap(),
+                case["bos_token"].as_str().unwrap(),
+                case["eos_token"].as_str().unwrap(),
+            );
+            let label = format!(
+                "{} / {} / agp={}",
+                case["template"], case["conversation"], case["add_generation_prompt"]
+            );
+            match (case.get("expected").and_then(|v| v.as_str()), got) {
+                (Some(want), Ok(got)) => assert_eq!(got, want, "{label}"),
+                (None, Err(ChatError::Refused(msg))) => {
+                    assert_eq!(msg, case["error"].as_str().unwrap(), "{label}");
+                    refusals += 1;
+                }
+                (want, got) => panic!("{label}: want {want:?}, got {got:?}"),
+            }
+        }
+        assert_eq!(refusals, 12);
+    }
+}

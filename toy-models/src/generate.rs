@@ -1,0 +1,114 @@
+//! Text generation: one prefill forward over the prompt, then one-token decode steps with the
+//! KV cache. Logits come to the host and the sampler picks the next id there.
+
+use std::ops::ControlFlow;
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Int, Tensor, TensorData};
+use toy_core::sampling::Sampler;
+use toy_kernels::ToyBackend;
+
+use crate::llama::Transformer;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty: give at least one token")]
+    EmptyPrompt,
+    #[error("prompt of {prompt} tokens plus {max_new} new tokens exceeds the context of {context}; shorten the prompt or lower -n")]
+    ContextOverflow { prompt: usize, max_new: usize, context: usize },
+    #[error("backend error: {0}")]
+    Backend(String),
+}
+
+/// What a generation did and how fast.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prompt_time: Duration,
+    pub generation_time: Duration,
+    /// Why it stopped: "eog", "length" or "stop".
+    pub finish_reason: &'static str,
+}
+
+impl GenerationStats {
+    pub fn prompt_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
+    }
+
+    /// Decode speed over the steps after the first token (the first comes from the prefill).
+    pub fn gen_tokens_per_s(&self) -> f64 {
+        let steps = self.generated_tokens.saturating_sub(1);
+        if steps == 0 { 0.0 } else { steps as f64 / self.generation_time.as_secs_f64().max(1e-9) }
+    }
+}
+
+/// Options of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// Most new tokens.
+    pub max_new_tokens: usize,
+    /// Stop at an end-of-generation token (it is not emitted).
+    pub stop_at_eog: bool,
+}
+
+/// Logits of one row, on the host.
+fn host_logits<B: ToyBackend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, GenerateError> {
+    logits.into_data().into_vec::<f32>().map_err(|e| GenerateError::Backend(format!("{e:?}")))
+}
+
+/// Generate from `prompt`. `on_token(id)` receives each new id as it is sampled and may stop the
+/// generation by returning `ControlFlow::Break(())` (used for stop strings).
+pub fn generate<B: ToyBackend>(
+    model: &Transformer<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    sampler: &mut Sampler,
+    is_eog: impl Fn(u32) -> bool,
+    mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+) -> Result<(Vec<u32>, GenerationStats), GenerateError> {
+    if prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    if prompt.len() + options.max_new_tokens > model.context_length {
+        return Err(GenerateError::ContextOverflow {
+            prompt: prompt.len(),
+            max_new: options.max_new_tokens,
+            context: model.context_length,
+        });
+    }
+    let device = model.rope_inv_freqs.device();
+    let mut cache = model.new_cache();
+    let mut history: Vec<u32> = prompt.to_vec();
+    let mut generated = Vec::with_capacity(options.max_new_tokens);
+    let mut stats = GenerationStats { prompt_tokens: prompt.len(), finish_reason: "length", ..Default::default() };
+    let to_tensor = |ids: &[u32]| {
+        let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+        let n = ids.len();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device)
+    };
+
+    let start = Instant::now();
+    let mut logits = host_logits(model.forward_last(to_tensor(prompt), &mut cache))?;
+    stats.prompt_time = start.elapsed();
+    let decode_start = Instant::now();
+    for step in 0..options.max_new_tokens {
+        let id = sampler.sample(&logits, &history);
+        if options.stop_at_eog && is_eog(id) {
+            stats.finish_reason = "eog";
+            break;
+        }
+        generated.push(id);
+        history.push(id);
+        if on_token(id).is_break() {
+            stats.finish_reason = "stop";
+            break;
+        }
+        if step + 1 < options.max_new_tokens {
+            logits = host_logits(model.forward_last(to_tensor(&[id]), &mut cache))?;
+        }
+    }
+    stats.generation_time = decode_start.elapsed();
+    stats.generated_tokens = generated.len();
+    Ok((generated, stats))
+}

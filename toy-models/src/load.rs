@@ -1,0 +1,123 @@
+//! Build a [`Transformer`] from a GGUF file.
+
+use burn::module::Param;
+use burn::nn::{Embedding, RmsNorm, RmsNormConfig};
+use burn::tensor::{Tensor, TensorData};
+use toy_core::config::{ConfigError, ModelConfig};
+use toy_core::gguf::{GgmlType, GgufError, GgufFile, TensorInfo, tensor_to_f32};
+use toy_kernels::ToyBackend;
+use toy_kernels::quant::{pack_q4_0, pack_q8_0};
+
+use crate::llama::{Attention, Block, LlamaConfig, Mlp, Transformer};
+use crate::qlinear::{PackedMatrix, QLinear};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("tensor {0:?} is missing from the GGUF file")]
+    MissingTensor(String),
+    #[error("tensor {name:?} has shape {found:?} (ggml order), expected {expected:?}")]
+    ShapeMismatch { name: String, expected: Vec<u64>, found: Vec<u64> },
+}
+
+/// Load the model in `file` onto `device`. `progress(done, total)` is called after each tensor.
+pub fn load<B: ToyBackend>(
+    file: &GgufFile,
+    device: &B::Device,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(ModelConfig, Transformer<B>), LoadError> {
+    let config = ModelConfig::from_gguf(file)?;
+    let c = &config;
+    let total = 3 + 9 * c.n_layer;
+    let mut done = 0;
+    let mut tick = || {
+        done += 1;
+        progress(done, total);
+    };
+
+    let (qdim, kvdim) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
+    let embd_info = tensor(file, "token_embd.weight", &[c.d_model, c.vocab_size])?;
+    let token_embd = Embedding {
+        weight: Param::from_tensor(dense_tensor(file, embd_info, device)?),
+    };
+    let output = match c.tied_embeddings {
+        true => linear(file, "token_embd.weight", c.d_model, c.vocab_size, device)?,
+        false => linear(file, "output.weight", c.d_model, c.vocab_size, device)?,
+    };
+    tick();
+    let output_norm = norm(file, "output_norm.weight", c, device)?;
+    tick();
+
+    let mut blocks = Vec::with_capacity(c.n_layer);
+    for i in 0..c.n_layer {
+        let name = |t: &str| format!("blk.{i}.{t}.weight");
+        let mut lin = |t: &str, inp: usize, out: usize| {
+            let l = linear(file, &name(t), inp, out, device);
+            tick();
+            l
+        };
+        let attn = Attention {
+            wq: lin("attn_q", c.d_model, qdim)?,
+            wk: lin("attn_k", c.d_model, kvdim)?,
+            wv: lin("attn_v", c.d_model, kvdim)?,
+            wo: lin("attn_output", qdim, c.d_model)?,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.head_dim,
+        };
+        let mlp = Mlp {
+            gate: lin("ffn_gate", c.d_model, c.d_ff)?,
+            up: lin("ffn_up", c.d_model, c.d_ff)?,
+            down: lin("ffn_down", c.d_ff, c.d_model)?,
+        };
+        let attn_norm = norm(file, &name("attn_norm"), c, device)?;
+        tick();
+        let ffn_norm = norm(file, &name("ffn_norm"), c, device)?;
+        tick();
+        blocks.push(Block { attn_norm, attn, ffn_norm, mlp });
+    }
+    let model = LlamaConfig::from_model_config(c).assemble(token_embd, blocks, output_norm, output, device);
+    tick();
+    Ok((config, model))
+}
+
+/// Look up a tensor and check its ggml dims (`[in, out]` for a matrix).
+fn tensor<'a>(file: &'a GgufFile, name: &str, dims: &[usize]) -> Result<&'a TensorInfo, LoadError> {
+    let info = file.tensor(name).ok_or_else(|| LoadError::MissingTensor(name.to_string()))?;
+    let expected: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+    if info.dims != expected {
+        return Err(LoadError::ShapeMismatch { name: name.to_string(), expected, found: info.dims.clone() });
+    }
+    Ok(info)
+}
+
+/// A tensor dequantized to f32, in PyTorch order.
+fn dense_tensor<B: ToyBackend, const D: usize>(
+    file: &GgufFile,
+    info: &TensorInfo,
+    device: &B::Device,
+) -> Result<Tensor<B, D>, LoadError> {
+    let values = tensor_to_f32(file, info)?;
+    let shape: [usize; D] = info.shape().try_into().expect("rank checked by the caller");
+    Ok(Tensor::from_data(TensorData::new(values, shape), device))
+}
+
+fn norm<B: ToyBackend>(file: &GgufFile, name: &str, c: &ModelConfig, device: &B::Device) -> Result<RmsNorm<B>, LoadError> {
+    let info = tensor(file, name, &[c.d_model])?;
+    let mut norm = RmsNormConfig::new(c.d_model).with_epsilon(c.rms_eps as f64).init(device);
+    norm.gamma = Param::from_tensor(dense_tensor(file, info, device)?);
+    Ok(norm)
+}
+
+/// A weight `[in, out]` (ggml order) as a `QLinear`: Q8_0/Q4_0 stay packed, the rest is f32.
+fn linear<B: ToyBackend>(file: &GgufFile, name: &str, inp: usize, out: usize, device: &B::Device) -> Result<QLinear<B>, LoadError> {
+    let info = tensor(file, name, &[inp, out])?;
+    Ok(match info.ggml_type {
+        GgmlType::Q8_0 => QLinear::Q8_0(PackedMatrix::from_host(pack_q8_0(file.tensor_data(info), out, inp), device)),
+        GgmlType::Q4_0 => QLinear::Q4_0(PackedMatrix::from_host(pack_q4_0(file.tensor_data(info), out, inp), device)),
+        _ => QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?)),
+    })
+}

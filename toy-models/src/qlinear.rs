@@ -1,0 +1,81 @@
+//! `QLinear`: a bias-free linear layer whose weight may stay quantized on the device.
+//!
+//! The model code calls `forward` and never sees the weight format: Q8_0 and Q4_0 weights stay
+//! packed (see `toy_kernels::quant`) and go through the backend's quantized matmul; every other
+//! GGUF type is dequantized to f32 at load.
+
+use burn::module::{Module, Param, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
+use toy_kernels::ToyBackend;
+use toy_kernels::quant::PackedWeight;
+
+/// A quantized weight in the packed layout: `words[n, k / per_word]` (u32) and `scales[n, k / 32]`.
+#[derive(Module, Debug)]
+pub struct PackedMatrix<B: Backend> {
+    pub words: Param<Tensor<B, 2, Int>>,
+    pub scales: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> PackedMatrix<B> {
+    pub fn from_host(packed: PackedWeight, device: &B::Device) -> Self {
+        let per_row = packed.words.len() / packed.rows;
+        let words = Tensor::from_data(TensorData::new(packed.words, [packed.rows, per_row]), (device, DType::U32));
+        let scales = Tensor::from_data(TensorData::new(packed.scales, [packed.rows, packed.cols / 32]), device);
+        // Quantized bases are frozen: no gradient, no optimizer state.
+        PackedMatrix {
+            words: Param::initialized(ParamId::new(), words),
+            scales: Param::from_tensor(scales).set_require_grad(false),
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+pub enum QLinear<B: Backend> {
+    /// A float weight `[out, in]` (PyTorch layout).
+    Dense(Param<Tensor<B, 2>>),
+    Q8_0(PackedMatrix<B>),
+    Q4_0(PackedMatrix<B>),
+}
+
+impl<B: ToyBackend> QLinear<B> {
+    /// `x[.., in] -> [.., out]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dims = x.dims();
+        let k = dims[D - 1];
+        let x2: Tensor<B, 2> = x.reshape([-1, k as i32]);
+        let y = match self {
+            QLinear::Dense(w) => x2.matmul(w.val().transpose()),
+            QLinear::Q8_0(p) => Tensor::from_primitive(TensorPrimitive::Float(B::q8_0_matmul(
+                x2.into_primitive().tensor(),
+                p.words.val().into_primitive(),
+                p.scales.val().into_primitive().tensor(),
+            ))),
+            QLinear::Q4_0(p) => Tensor::from_primitive(TensorPrimitive::Float(B::q4_0_matmul(
+                x2.into_primitive().tensor(),
+                p.words.val().into_primitive(),
+                p.scales.val().into_primitive().tensor(),
+            ))),
+        };
+        let mut out = dims;
+        out[D - 1] = y.dims()[1];
+        y.reshape(out)
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        match self {
+            QLinear::Dense(w) => w.dims()[0],
+            QLinear::Q8_0(p) | QLinear::Q4_0(p) => p.scales.dims()[0],
+        }
+    }
+
+    /// A short name of the weight format, for `describe` and logs.
+    pub fn format(&self) -> &'static str {
+        match self {
+            QLinear::Dense(_) => "f32",
+            QLinear::Q8_0(_) => "Q8_0",
+            QLinear::Q4_0(_) => "Q4_0",
+        }
+    }
+}
