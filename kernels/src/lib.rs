@@ -58,6 +58,17 @@ pub trait ToyBackend: Backend {
         reference::q4_0_matmul::<Self>(x, words, scales)
     }
 
+    /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q4_1 weight `W` (`mins[n, k/32]` are the
+    /// per-block offsets).
+    fn q4_1_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        mins: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::q4_1_matmul::<Self>(x, words, scales, mins)
+    }
+
     /// Rotary embedding of `x[b, h, t, d]` at `positions[t]`, rotating the first
     /// `2 * inv_freqs.len()` dims of each head (the rest pass through).
     fn rope(

@@ -31,8 +31,8 @@ pub fn dequant_q8_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) 
     (q.reshape([n, k / BLOCK, BLOCK]) * scales.unsqueeze_dim::<3>(2)).reshape([n, k])
 }
 
-/// Dequantize a packed Q4_0 weight (`words[n, k/8]`, `scales[n, k/32]`) to `[n, k]`.
-pub fn dequant_q4_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) -> Tensor<B, 2> {
+/// The unsigned nibbles of packed Q4 words, `[n, k/32, 32]` in ggml's element order.
+fn q4_nibbles<B: Backend>(words: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     let [n, kw] = words.dims();
     let k = kw * 8;
     // Nibble s of a word: s = 2b is the low nibble of byte b, s = 2b + 1 its high nibble.
@@ -42,13 +42,25 @@ pub fn dequant_q4_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) 
         .into_iter()
         .map(|s| words.clone().bitwise_right_shift_scalar(((4 * s) as i64).elem()).bitwise_and_scalar(0xF.elem()))
         .collect();
-    let q = Tensor::stack::<3>(nibbles, 2)
+    Tensor::stack::<3>(nibbles, 2)
         .reshape([n, k / BLOCK, 4, 2, 4])
         .permute([0, 1, 3, 2, 4])
         .reshape([n, k / BLOCK, BLOCK])
         .float()
-        .sub_scalar(8.0);
-    (q * scales.unsqueeze_dim::<3>(2)).reshape([n, k])
+}
+
+/// Dequantize a packed Q4_0 weight (`words[n, k/8]`, `scales[n, k/32]`) to `[n, k]`.
+pub fn dequant_q4_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [n, kw] = words.dims();
+    let q = q4_nibbles(words).sub_scalar(8.0);
+    (q * scales.unsqueeze_dim::<3>(2)).reshape([n, kw * 8])
+}
+
+/// Dequantize a packed Q4_1 weight to `[n, k]`: `scale * q + min` per block.
+pub fn dequant_q4_1<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>, mins: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [n, kw] = words.dims();
+    let q = q4_nibbles(words);
+    (q * scales.unsqueeze_dim::<3>(2) + mins.unsqueeze_dim::<3>(2)).reshape([n, kw * 8])
 }
 
 pub fn q8_0_matmul<B: Backend>(x: FloatTensor<B>, words: IntTensor<B>, scales: FloatTensor<B>) -> FloatTensor<B> {
@@ -58,6 +70,16 @@ pub fn q8_0_matmul<B: Backend>(x: FloatTensor<B>, words: IntTensor<B>, scales: F
 
 pub fn q4_0_matmul<B: Backend>(x: FloatTensor<B>, words: IntTensor<B>, scales: FloatTensor<B>) -> FloatTensor<B> {
     let w = dequant_q4_0::<B>(Tensor::from_primitive(words), float(scales));
+    float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
+}
+
+pub fn q4_1_matmul<B: Backend>(
+    x: FloatTensor<B>,
+    words: IntTensor<B>,
+    scales: FloatTensor<B>,
+    mins: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let w = dequant_q4_1::<B>(Tensor::from_primitive(words), float(scales), float(mins));
     float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
 }
 

@@ -4,7 +4,7 @@
 use burn::backend::{Flex, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
-use toy_kernels::quant::{PackedWeight, pack_q4_0, pack_q8_0};
+use toy_kernels::quant::{PackedWeight, pack_q4_0, pack_q4_1, pack_q8_0};
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
@@ -38,14 +38,31 @@ fn packed<B: ToyBackend>(p: &PackedWeight, d: &B::Device) -> (Tensor<B, 2, Int>,
     )
 }
 
-/// Quantize a random `[n, k]` weight with ggml's reference quantizer and pack it.
+/// Random Q4_1 blocks: f16 scale in [0.01, 0.1), f16 min in [-0.5, 0.5), random nibbles.
+fn random_q4_1(n_blocks: usize, seed: u64) -> Vec<u8> {
+    let r = randn(n_blocks * 18, seed);
+    let mut out = Vec::with_capacity(n_blocks * 20);
+    for b in 0..n_blocks {
+        let v = &r[b * 18..(b + 1) * 18];
+        out.extend(half::f16::from_f32(0.055 + 0.045 * v[0]).to_le_bytes());
+        out.extend(half::f16::from_f32(0.5 * v[1]).to_le_bytes());
+        out.extend(v[2..].iter().map(|x| ((x + 1.0) * 127.99) as u8));
+    }
+    out
+}
+
+/// A random `[n, k]` weight of type `ty` (quantized with ggml's reference quantizer where toy-core
+/// has one), packed, and its exact dequantization.
 fn weight(ty: GgmlType, n: usize, k: usize, seed: u64) -> (PackedWeight, Vec<f32>) {
-    let w = randn(n * k, seed);
-    let blocks = quantize(ty, &w).unwrap();
+    let blocks = match ty {
+        GgmlType::Q4_1 => random_q4_1(n * k / 32, seed),
+        _ => quantize(ty, &randn(n * k, seed)).unwrap(),
+    };
     let dense = dequantize_to_vec(ty, &blocks).unwrap();
     let p = match ty {
         GgmlType::Q8_0 => pack_q8_0(&blocks, n, k),
-        _ => pack_q4_0(&blocks, n, k),
+        GgmlType::Q4_0 => pack_q4_0(&blocks, n, k),
+        _ => pack_q4_1(&blocks, n, k),
     };
     (p, dense)
 }
@@ -54,16 +71,21 @@ fn weight(ty: GgmlType, n: usize, k: usize, seed: u64) -> (PackedWeight, Vec<f32
 /// dequantizer (itself bit-identical to gguf-py / ggml).
 fn dequant_matches_gguf<B: ToyBackend>() {
     let d = Default::default();
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
         let (p, dense) = weight(ty, 5, 96, 1);
         let (words, scales) = packed::<B>(&p, &d);
         let deq = match ty {
             GgmlType::Q8_0 => reference::dequant_q8_0(words, scales),
-            _ => reference::dequant_q4_0(words, scales),
+            GgmlType::Q4_0 => reference::dequant_q4_0(words, scales),
+            _ => reference::dequant_q4_1(words, scales, mins::<B>(&p, &d)),
         };
         let got = host(deq);
         assert!(got.iter().zip(&dense).all(|(a, b)| a.to_bits() == b.to_bits()), "{ty}: dequant differs");
     }
+}
+
+fn mins<B: ToyBackend>(p: &PackedWeight, d: &B::Device) -> Tensor<B, 2> {
+    float(p.mins.clone().expect("asymmetric format"), [p.rows, p.cols / 32], d)
 }
 
 /// `y = x · Wᵀ` in f64 from the dequantized weight.
@@ -88,9 +110,11 @@ fn check_matmul<B: ToyBackend>(ty: GgmlType, quantizes_activations: bool) {
         let x = randn(m * k, 7 + n as u64);
         let (words, scales) = packed::<B>(&p, &d);
         let xt = float::<B, 2>(x.clone(), [m, k], &d);
+        let (x_, w_, s_) = (xt.into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor());
         let y = match ty {
-            GgmlType::Q8_0 => B::q8_0_matmul(xt.into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor()),
-            _ => B::q4_0_matmul(xt.into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor()),
+            GgmlType::Q8_0 => B::q8_0_matmul(x_, w_, s_),
+            GgmlType::Q4_0 => B::q4_0_matmul(x_, w_, s_),
+            _ => B::q4_1_matmul(x_, w_, s_, mins::<B>(&p, &d).into_primitive().tensor()),
         };
         let got = host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)));
         let want = matmul_f64(&x, &w, m, k, n);
@@ -98,6 +122,13 @@ fn check_matmul<B: ToyBackend>(ty: GgmlType, quantizes_activations: bool) {
             for j in 0..n {
                 let abs_sum: f64 = (0..k).map(|l| (x[i * k + l] as f64 * w[j * k + l] as f64).abs()).sum();
                 let mut bound = 1e-5 * abs_sum + 1e-6;
+                if quantizes_activations && ty == GgmlType::Q4_1 {
+                    // Q8_1's block sum s = f16(d Σq) multiplies the weight's min: f16 rounding.
+                    bound += (0..k / 32).map(|b| {
+                        let s: f64 = (0..32).map(|l| x[i * k + b * 32 + l].abs() as f64).sum();
+                        s * p.mins.as_ref().unwrap()[j * (k / 32) + b].abs() as f64 * 1e-3
+                    }).sum::<f64>();
+                }
                 if quantizes_activations {
                     bound += (0..k / 32)
                         .map(|b| {
@@ -241,9 +272,15 @@ fn q4_0_matmul_flex_native() {
 }
 
 #[test]
+fn q4_1_matmul_flex_native() {
+    check_matmul::<Flex>(GgmlType::Q4_1, true);
+}
+
+#[test]
 fn quant_matmul_reference_ndarray() {
     check_matmul::<NdArray>(GgmlType::Q8_0, false);
     check_matmul::<NdArray>(GgmlType::Q4_0, false);
+    check_matmul::<NdArray>(GgmlType::Q4_1, false);
 }
 
 #[test]

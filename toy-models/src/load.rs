@@ -6,7 +6,7 @@ use burn::tensor::{Tensor, TensorData};
 use toy_core::config::{ConfigError, ModelConfig};
 use toy_core::gguf::{GgmlType, GgufError, GgufFile, TensorInfo, tensor_to_f32};
 use toy_kernels::ToyBackend;
-use toy_kernels::quant::{pack_q4_0, pack_q8_0};
+use toy_kernels::quant::{pack_q4_0, pack_q4_1, pack_q8_0};
 
 use crate::llama::{Attention, Block, LlamaConfig, Mlp, Transformer};
 use crate::qlinear::{PackedMatrix, QLinear};
@@ -112,12 +112,13 @@ fn norm<B: ToyBackend>(file: &GgufFile, name: &str, c: &ModelConfig, device: &B:
     Ok(norm)
 }
 
-/// A weight `[in, out]` (ggml order) as a `QLinear`: Q8_0/Q4_0 stay packed, the rest is f32.
+/// A weight `[in, out]` (ggml order) as a `QLinear`: Q8_0/Q4_0/Q4_1 stay packed, the rest is f32.
 fn linear<B: ToyBackend>(file: &GgufFile, name: &str, inp: usize, out: usize, device: &B::Device) -> Result<QLinear<B>, LoadError> {
     let info = tensor(file, name, &[inp, out])?;
     Ok(match info.ggml_type {
         GgmlType::Q8_0 => QLinear::Q8_0(PackedMatrix::from_host(pack_q8_0(file.tensor_data(info), out, inp), device)),
         GgmlType::Q4_0 => QLinear::Q4_0(PackedMatrix::from_host(pack_q4_0(file.tensor_data(info), out, inp), device)),
+        GgmlType::Q4_1 => QLinear::Q4_1(PackedMatrix::from_host(pack_q4_1(file.tensor_data(info), out, inp), device)),
         _ => QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?)),
     })
 }

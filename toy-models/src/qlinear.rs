@@ -1,8 +1,9 @@
 //! `QLinear`: a bias-free linear layer whose weight may stay quantized on the device.
 //!
-//! The model code calls `forward` and never sees the weight format: Q8_0 and Q4_0 weights stay
-//! packed (see `toy_kernels::quant`) and go through the backend's quantized matmul; every other
-//! GGUF type is dequantized to f32 at load.
+//! The model code calls `forward` and never sees the weight format: Q8_0, Q4_0 and Q4_1 weights
+//! stay packed (see `toy_kernels::quant`) and go through the backend's quantized matmul — which
+//! on the CPU computes them the way llama.cpp does; every other GGUF type is dequantized to f32
+//! at load.
 
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
@@ -10,22 +11,26 @@ use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_kernels::ToyBackend;
 use toy_kernels::quant::PackedWeight;
 
-/// A quantized weight in the packed layout: `words[n, k / per_word]` (u32) and `scales[n, k / 32]`.
+/// A quantized weight in the packed layout: `words[n, k / per_word]` (u32), `scales[n, k / 32]`
+/// and, for asymmetric formats, `mins[n, k / 32]`.
 #[derive(Module, Debug)]
 pub struct PackedMatrix<B: Backend> {
     pub words: Param<Tensor<B, 2, Int>>,
     pub scales: Param<Tensor<B, 2>>,
+    pub mins: Option<Param<Tensor<B, 2>>>,
 }
 
 impl<B: Backend> PackedMatrix<B> {
     pub fn from_host(packed: PackedWeight, device: &B::Device) -> Self {
         let per_row = packed.words.len() / packed.rows;
         let words = Tensor::from_data(TensorData::new(packed.words, [packed.rows, per_row]), (device, DType::U32));
-        let scales = Tensor::from_data(TensorData::new(packed.scales, [packed.rows, packed.cols / 32]), device);
+        let blocks = [packed.rows, packed.cols / 32];
         // Quantized bases are frozen: no gradient, no optimizer state.
+        let frozen = |v: Vec<f32>| Param::from_tensor(Tensor::from_data(TensorData::new(v, blocks), device)).set_require_grad(false);
         PackedMatrix {
             words: Param::initialized(ParamId::new(), words),
-            scales: Param::from_tensor(scales).set_require_grad(false),
+            scales: frozen(packed.scales),
+            mins: packed.mins.map(frozen),
         }
     }
 }
@@ -36,6 +41,7 @@ pub enum QLinear<B: Backend> {
     Dense(Param<Tensor<B, 2>>),
     Q8_0(PackedMatrix<B>),
     Q4_0(PackedMatrix<B>),
+    Q4_1(PackedMatrix<B>),
 }
 
 impl<B: ToyBackend> QLinear<B> {
@@ -56,6 +62,12 @@ impl<B: ToyBackend> QLinear<B> {
                 p.words.val().into_primitive(),
                 p.scales.val().into_primitive().tensor(),
             ))),
+            QLinear::Q4_1(p) => Tensor::from_primitive(TensorPrimitive::Float(B::q4_1_matmul(
+                x2.into_primitive().tensor(),
+                p.words.val().into_primitive(),
+                p.scales.val().into_primitive().tensor(),
+                p.mins.as_ref().expect("Q4_1 weights have mins").val().into_primitive().tensor(),
+            ))),
         };
         let mut out = dims;
         out[D - 1] = y.dims()[1];
@@ -66,7 +78,7 @@ impl<B: ToyBackend> QLinear<B> {
     pub fn out_features(&self) -> usize {
         match self {
             QLinear::Dense(w) => w.dims()[0],
-            QLinear::Q8_0(p) | QLinear::Q4_0(p) => p.scales.dims()[0],
+            QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => p.scales.dims()[0],
         }
     }
 
@@ -76,6 +88,7 @@ impl<B: ToyBackend> QLinear<B> {
             QLinear::Dense(_) => "f32",
             QLinear::Q8_0(_) => "Q8_0",
             QLinear::Q4_0(_) => "Q4_0",
+            QLinear::Q4_1(_) => "Q4_1",
         }
     }
 }
