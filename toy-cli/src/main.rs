@@ -66,9 +66,17 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            // One line: the error and its causes.
-            let chain: Vec<String> = err.chain().map(|c| c.to_string()).collect();
-            eprintln!("error: {}", chain.join(": "));
+            // One line: the error and those of its causes that it does not already spell out.
+            let mut line = String::new();
+            for cause in err.chain().map(|c| c.to_string()) {
+                if !line.contains(&cause) {
+                    if !line.is_empty() {
+                        line.push_str(": ");
+                    }
+                    line.push_str(&cause);
+                }
+            }
+            eprintln!("error: {}", line.replace('\n', " "));
             ExitCode::FAILURE
         }
     }
