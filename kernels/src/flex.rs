@@ -15,21 +15,88 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::quant::BLOCK;
-use crate::{ToyBackend, reference};
+use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
 impl ToyBackend for Flex {
     fn q8_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
         match Operands::new(&x, &words, &scales) {
-            Some(ops) => ops.run(dot_q8_0),
+            Some(ops) => ops.run(Format::Q8_0),
             None => reference::q8_0_matmul::<Self>(x, words, scales),
         }
     }
 
     fn q4_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
         match Operands::new(&x, &words, &scales) {
-            Some(ops) => ops.run(dot_q4_0),
+            Some(ops) => ops.run(Format::Q4_0),
             None => reference::q4_0_matmul::<Self>(x, words, scales),
         }
+    }
+
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        let shape = x.shape();
+        let d = shape[shape.num_dims() - 1];
+        let (x, w) = (x.to_contiguous(), weight.to_contiguous());
+        let (Some(xs), Some(ws)) = (x.as_slice::<f32>(), w.as_slice::<f32>()) else {
+            return reference::rms_norm::<Self>(x, weight, eps);
+        };
+        let mut out = vec![0.0f32; xs.len()];
+        out.par_chunks_mut(d).zip(xs.par_chunks(d)).for_each(|(y, x)| rms_norm_row(x, ws, eps, y));
+        FlexTensor::from_data(TensorData::new(out, shape))
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let shape = up.shape();
+        let (g, u) = (gate.to_contiguous(), up.to_contiguous());
+        let (Some(gs), Some(us)) = (g.as_slice::<f32>(), u.as_slice::<f32>()) else {
+            return reference::swiglu::<Self>(gate, up);
+        };
+        if gs.len() != us.len() {
+            return reference::swiglu::<Self>(gate, up);
+        }
+        let d = shape[shape.num_dims() - 1];
+        let mut out = vec![0.0f32; us.len()];
+        out.par_chunks_mut(d).zip(gs.par_chunks(d).zip(us.par_chunks(d))).for_each(|(y, (g, u))| {
+            swiglu_row(g, u, y);
+        });
+        FlexTensor::from_data(TensorData::new(out, shape))
+    }
+
+    fn attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        let (qs, ks) = (q.shape(), k.shape());
+        let (q, k, v) = (q.to_contiguous(), k.to_contiguous(), v.to_contiguous());
+        let native = options.softcap.is_none() && qs.num_dims() == 4 && q.dtype() == DType::F32;
+        let (Some(qd), Some(kd), Some(vd)) = (q.as_slice::<f32>(), k.as_slice::<f32>(), v.as_slice::<f32>()) else {
+            return reference::attention::<Self>(q, k, v, options);
+        };
+        if !native {
+            return reference::attention::<Self>(q, k, v, options);
+        }
+        let dims = AttnDims { b: qs[0], h: qs[1], tq: qs[2], d: qs[3], h_kv: ks[1], tk: ks[2] };
+        let out = attention_ggml(qd, kd, vd, &dims, &options);
+        FlexTensor::from_data(TensorData::new(out, qs))
+    }
+
+    fn rope(x: FloatTensor<Self>, positions: IntTensor<Self>, inv_freqs: FloatTensor<Self>, layout: RopeLayout) -> FloatTensor<Self> {
+        let shape = x.shape();
+        let (xc, pc, fc) = (x.to_contiguous(), positions.to_contiguous(), inv_freqs.to_contiguous());
+        let (Some(xs), Some(fs)) = (xc.as_slice::<f32>(), fc.as_slice::<f32>()) else {
+            return reference::rope::<Self>(x, positions, inv_freqs, layout);
+        };
+        let pos: Vec<i64> = match pc.dtype() {
+            DType::I32 => pc.as_slice::<i32>().map(|p| p.iter().map(|&v| v as i64).collect()),
+            DType::I64 => pc.as_slice::<i64>().map(|p| p.to_vec()),
+            _ => None,
+        }
+        .unwrap_or_default();
+        if pos.len() != shape[2] || shape.num_dims() != 4 {
+            return reference::rope::<Self>(x, positions, inv_freqs, layout);
+        }
+        FlexTensor::from_data(TensorData::new(rope_ggml(xs, [shape[0], shape[1], shape[2], shape[3]], &pos, fs, layout), shape))
     }
 
     fn q4_1_matmul(
@@ -41,10 +108,185 @@ impl ToyBackend for Flex {
         match Operands::new(&x, &words, &scales) {
             Some(mut ops) if mins.dtype() == DType::F32 && mins.shape() == scales.shape() => {
                 ops.mins = Some(mins.to_contiguous());
-                ops.run(dot_q4_1)
+                ops.run(Format::Q4_1)
             }
             _ => reference::q4_1_matmul::<Self>(x, words, scales, mins),
         }
+    }
+}
+
+/// GCC's `_mm512_reduce_add_ps`: halves (8 + 8), quarters (4 + 4), then (0+2)+(1+3).
+fn reduce_add16(v: &[f32; 16]) -> f32 {
+    let t3: [f32; 8] = std::array::from_fn(|i| v[8 + i] + v[i]);
+    let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
+    (t6[0] + t6[2]) + (t6[1] + t6[3])
+}
+
+/// ggml's `ggml_vec_dot_f32` (AVX-512): four 16-lane accumulators over steps of 64 with FMA,
+/// reduced pairwise (0+2, 1+3, then 0+1) and horizontally; the tail is summed serially.
+/// `x(i)`/`y(i)` give the operands so that strided rows need no copy.
+fn vec_dot_f32(n: usize, x: impl Fn(usize) -> f32, y: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [[0.0f32; 16]; 4];
+    let np = n / 64 * 64;
+    for i in (0..np).step_by(64) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, a) in lanes.iter_mut().enumerate() {
+                let idx = i + 16 * j + l;
+                *a = x(idx).mul_add(y(idx), *a);
+            }
+        }
+    }
+    let mut r = [0.0f32; 16];
+    for l in 0..16 {
+        r[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let mut sum = reduce_add16(&r);
+    for i in np..n {
+        sum = x(i).mul_add(y(i), sum);
+    }
+    sum
+}
+
+struct AttnDims {
+    b: usize,
+    h: usize,
+    tq: usize,
+    d: usize,
+    h_kv: usize,
+    tk: usize,
+}
+
+/// llama.cpp's attention without flash attention, op for op: `kq = K·q` (vec_dot_f32), softmax
+/// with the scale and causal mask over the KV length padded to 256 (ggml_soft_max: vector expf,
+/// 16-wide chunk sums added in f64, then multiply by `(float)(1/sum)`), then `kqv = Vᵀ·p` —
+/// vec_dot_f32 for one query row, llamafile's tinyBLAS (one 16-lane FMA accumulator, then a
+/// horizontal sum) for several. Query heads `i` read K/V head `i / (h / h_kv)`.
+fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &AttentionOptions) -> Vec<f32> {
+    let AttnDims { b, h, tq, d, h_kv, tk } = *s;
+    let group = h / h_kv;
+    let n_pad = tk.div_ceil(256) * 256;
+    let mask = reference::causal_mask(tq, tk, o);
+    let mut out = vec![0.0f32; b * h * tq * d];
+    out.par_chunks_mut(tq * d).enumerate().for_each(|(bh, out)| {
+        let (bi, hi) = (bh / h, bh % h);
+        let kv = (bi * h_kv + hi / group) * tk * d;
+        let (kh, vh) = (&k[kv..kv + tk * d], &v[kv..kv + tk * d]);
+        let mut p = vec![0.0f32; n_pad];
+        for i in 0..tq {
+            let qrow = &q[(bh * tq + i) * d..][..d];
+            // Scores, scaled and masked, as ggml_soft_max sees its input row.
+            let mut max = f32::NEG_INFINITY;
+            for j in 0..n_pad {
+                p[j] = if j < tk && !mask[i * tk + j] {
+                    vec_dot_f32(d, |c| kh[j * d + c], |c| qrow[c]) * o.scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+                max = max.max(p[j]);
+            }
+            let mut sum = 0.0f64;
+            for chunk in p.chunks_exact_mut(16) {
+                for e in chunk.iter_mut() {
+                    *e = ggml_expf(*e - max);
+                }
+                sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            p.iter_mut().for_each(|e| *e *= inv);
+            let orow = &mut out[i * d..(i + 1) * d];
+            for (c, o) in orow.iter_mut().enumerate() {
+                // Padding positions hold probability 0: they add nothing to any lane.
+                let vcol = |j: usize| if j < tk { vh[j * d + c] } else { 0.0 };
+                *o = if tq == 1 {
+                    vec_dot_f32(n_pad, vcol, |j| p[j])
+                } else {
+                    let mut acc = [0.0f32; 16];
+                    for l in (0..n_pad).step_by(16) {
+                        for (lane, a) in acc.iter_mut().enumerate() {
+                            *a = vcol(l + lane).mul_add(p[l + lane], *a);
+                        }
+                    }
+                    reduce_add16(&acc)
+                };
+            }
+        }
+    });
+    out
+}
+
+/// RoPE with ggml's angles. When `inv_freqs` is a geometric sequence `s^i` (plain RoPE, as the
+/// model builds it) the angle of pair `i` is ggml's f32 recurrence `theta = p; theta *= s` (from
+/// `ggml_rope_cache_init`), otherwise `p * inv_freqs[i]`; then `cosf`/`sinf` and the rotation.
+fn rope_ggml(x: &[f32], [b, h, t, d]: [usize; 4], pos: &[i64], inv_freqs: &[f32], layout: RopeLayout) -> Vec<f32> {
+    let half = inv_freqs.len();
+    let ratio = if half > 1 { inv_freqs[1] } else { 1.0 };
+    let geometric = inv_freqs.first() == Some(&1.0) && inv_freqs.windows(2).all(|w| w[1] == w[0] * ratio);
+    // cos/sin per position and pair, shared by every head.
+    let mut cache = Vec::with_capacity(pos.len() * half);
+    for &p in pos {
+        let mut theta = p as f32;
+        for &f in inv_freqs {
+            let angle = if geometric { theta } else { p as f32 * f };
+            cache.push((angle.cos(), angle.sin()));
+            theta *= ratio;
+        }
+    }
+    let mut out = x.to_vec();
+    out.par_chunks_mut(t * d).take(b * h).for_each(|head| {
+        for (ti, row) in head.chunks_mut(d).enumerate() {
+            for i in 0..half {
+                let (c, s) = cache[ti * half + i];
+                let (i0, i1) = match layout {
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    RopeLayout::Neox => (i, i + half),
+                };
+                let (x0, x1) = (row[i0], row[i1]);
+                row[i0] = x0 * c - x1 * s;
+                row[i1] = x0 * s + x1 * c;
+            }
+        }
+    });
+    out
+}
+
+/// ggml's vectorized `expf` (`ggml_v_expf`, AVX-512 flavour) in scalar form: a degree-5
+/// polynomial on the reduced argument, scaled by `2^n` in one rounding. Used where llama.cpp
+/// uses it (SiLU, softmax) so that our activations round exactly like its.
+fn ggml_expf(x: f32) -> f32 {
+    let c = f32::from_bits;
+    let r = c(0x4b40_0000); // 0x1.8p23: adding it rounds to an integer
+    let z = x.mul_add(c(0x3fb8_aa3b), r); // x / ln 2 + r
+    let n = z - r;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x)); // x - n ln 2, in two parts
+    let u = b * b;
+    let j = c(0x3c07_2010).mul_add(b, c(0x3d2b_9f17)).mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
+    let j = j.mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    // `_mm512_scalef_ps(j, n)`: j · 2^n, exact in f64 for |n| <= 192, then one rounding.
+    (j as f64 * 2f64.powi(n as i32)) as f32
+}
+
+/// ggml's `swiglu`: `silu(g) * u` with `silu(x) = x / (1 + expf(-x))`, 16 lanes at a time with the
+/// vector `expf`, the tail (row length not a multiple of 16) with libm's `expf`.
+fn swiglu_row(g: &[f32], u: &[f32], y: &mut [f32]) {
+    let vector = g.len() / 16 * 16;
+    for i in 0..g.len() {
+        let x = g[i];
+        let e = if i < vector { ggml_expf(0.0 - x) } else { (-x).exp() };
+        y[i] = x / (1.0 + e) * u[i];
+    }
+}
+
+/// ggml's `rms_norm` (+ the weight multiply it fuses): the sum of squares in f64, then
+/// `y = (x * (1 / sqrtf(mean + eps))) * w` in f32.
+fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+        *y = x * scale * w;
     }
 }
 
@@ -75,46 +317,144 @@ fn quantize_row(x: &[f32]) -> QuantRow {
     QuantRow { quants, scales, sums }
 }
 
-/// Dot product of a quantized activation row with one Q8_0 weight row (bytes = i8 quants).
-fn dot_q8_0(x: &QuantRow, w_bytes: &[u8], w_scales: &[f32], _: &[f32]) -> f32 {
-    let mut sum = 0.0f32;
-    for (b, (xq, wq)) in x.quants.chunks_exact(BLOCK).zip(w_bytes.chunks_exact(BLOCK)).enumerate() {
-        let mut sumi = 0i32;
-        for i in 0..BLOCK {
-            sumi += xq[i] as i32 * (wq[i] as i8) as i32;
-        }
-        sum += sumi as f32 * (w_scales[b] * x.scales[b]);
-    }
-    sum
+// The dot products reproduce ggml's x86 `ggml_vec_dot_*` to the bit: per block, eight lanes
+// each hold an exact integer sum of 4 products (elements 4l..4l+4), converted to f32 and
+// accumulated with one fused multiply-add by `d_w * d_x`; the 8 lanes are summed at the end in
+// ggml's `hsum_float_8` order. The scalar functions are the specification; the AVX2 ones compute
+// the same bits faster and are used when the CPU has AVX2 and FMA.
+
+/// Which weight block format a dot product reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Q8_0,
+    Q4_0,
+    Q4_1,
 }
 
-/// Dot product of a quantized activation row with one Q4_0 weight row (16 nibble bytes a block).
-fn dot_q4_0(x: &QuantRow, w_bytes: &[u8], w_scales: &[f32], _: &[f32]) -> f32 {
-    let mut sum = 0.0f32;
-    for (b, (xq, wq)) in x.quants.chunks_exact(BLOCK).zip(w_bytes.chunks_exact(BLOCK / 2)).enumerate() {
-        let mut sumi = 0i32;
-        for j in 0..BLOCK / 2 {
-            let lo = (wq[j] & 0x0F) as i32 - 8;
-            let hi = (wq[j] >> 4) as i32 - 8;
-            sumi += lo * xq[j] as i32 + hi * xq[j + BLOCK / 2] as i32;
+impl Format {
+    /// Bytes of quants per block in the packed layout.
+    fn block_bytes(self) -> usize {
+        match self {
+            Format::Q8_0 => BLOCK,
+            Format::Q4_0 | Format::Q4_1 => BLOCK / 2,
         }
-        sum += sumi as f32 * (w_scales[b] * x.scales[b]);
     }
-    sum
 }
 
-/// Dot product of a Q8_1 activation row with one Q4_1 weight row: per block
-/// `d_w * d_x * Σ q_w q_x + m_w * s_x` (ggml's `vec_dot_q4_1_q8_1`).
-fn dot_q4_1(x: &QuantRow, w_bytes: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
-    let mut sum = 0.0f32;
-    for (b, (xq, wq)) in x.quants.chunks_exact(BLOCK).zip(w_bytes.chunks_exact(BLOCK / 2)).enumerate() {
-        let mut sumi = 0i32;
-        for j in 0..BLOCK / 2 {
-            sumi += (wq[j] & 0x0F) as i32 * xq[j] as i32 + (wq[j] >> 4) as i32 * xq[j + BLOCK / 2] as i32;
+/// ggml's `hsum_float_8`: (lanes 0..4 + lanes 4..8), then pairs (0+2, 1+3), then the two.
+fn hsum8(acc: [f32; 8]) -> f32 {
+    let r: [f32; 4] = std::array::from_fn(|i| acc[i + 4] + acc[i]);
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Weight quant `i` (0..32) of a block, as the signed value ggml multiplies.
+fn weight_quant(format: Format, block: &[u8], i: usize) -> i32 {
+    match format {
+        Format::Q8_0 => block[i] as i8 as i32,
+        Format::Q4_0 | Format::Q4_1 => {
+            let byte = block[i % 16];
+            let nibble = if i < 16 { byte & 0x0F } else { byte >> 4 } as i32;
+            if format == Format::Q4_0 { nibble - 8 } else { nibble }
         }
-        sum += (w_scales[b] * x.scales[b]) * sumi as f32 + w_mins[b] * x.sums[b];
     }
-    sum
+}
+
+/// The specification: one output element, scalar.
+fn dot_scalar(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
+    let bb = format.block_bytes();
+    let mut acc = [0.0f32; 8];
+    let mut mins = 0.0f32;
+    for (b, (xq, wq)) in x.quants.chunks_exact(BLOCK).zip(w.chunks_exact(bb)).enumerate() {
+        let d = w_scales[b] * x.scales[b];
+        for (l, lane) in acc.iter_mut().enumerate() {
+            let sumi: i32 = (4 * l..4 * l + 4).map(|i| weight_quant(format, wq, i) * xq[i] as i32).sum();
+            *lane = d.mul_add(sumi as f32, *lane);
+        }
+        if format == Format::Q4_1 {
+            mins = w_mins[b].mul_add(x.sums[b], mins);
+        }
+    }
+    hsum8(acc) + mins
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, Format, QuantRow};
+
+    /// 32 weight quants of a block as i8 (Q4 nibbles unpacked: low nibbles then high nibbles).
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_weights(format: Format, block: &[u8]) -> __m256i {
+        unsafe {
+            match format {
+                Format::Q8_0 => _mm256_loadu_si256(block.as_ptr() as *const __m256i),
+                Format::Q4_0 | Format::Q4_1 => {
+                    let packed = _mm_loadu_si128(block.as_ptr() as *const __m128i);
+                    let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+                    let nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+                    if format == Format::Q4_0 { _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8)) } else { nibbles }
+                }
+            }
+        }
+    }
+
+    /// Eight i32 lanes, lane l = Σ w[i] x[i] over i in 4l..4l+4 (ggml's mul_sum_i8_pairs).
+    #[target_feature(enable = "avx2")]
+    unsafe fn lane_sums(format: Format, w: __m256i, x: __m256i) -> __m256i {
+        let ones = _mm256_set1_epi16(1);
+        if format == Format::Q4_1 {
+            // Unsigned weights times signed activations directly.
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        }
+        // maddubs needs an unsigned operand: |w| times x with w's sign moved onto x.
+        let aw = _mm256_sign_epi8(w, w);
+        let sx = _mm256_sign_epi8(x, w);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
+    }
+
+    /// One output element; bit-identical to `dot_scalar`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
+        unsafe {
+            let bb = format.block_bytes();
+            let mut acc = _mm256_setzero_ps();
+            let mut mins = 0.0f32;
+            for b in 0..x.scales.len() {
+                let d = _mm256_set1_ps(w_scales[b] * x.scales[b]);
+                let wq = load_weights(format, &w[b * bb..]);
+                let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK) as *const __m256i);
+                let q = _mm256_cvtepi32_ps(lane_sums(format, wq, xq));
+                acc = _mm256_fmadd_ps(d, q, acc);
+                if format == Format::Q4_1 {
+                    mins = w_mins[b].mul_add(x.sums[b], mins);
+                }
+            }
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+            super::hsum8(lanes) + mins
+        }
+    }
+}
+
+/// One output element, with the fastest implementation this CPU has.
+fn dot(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
+    if std::env::var_os("TOY_DOT_SEQ").is_some() {
+        let bb = format.block_bytes();
+        let mut sum = 0.0f32;
+        for (b, (xq, wq)) in x.quants.chunks_exact(BLOCK).zip(w.chunks_exact(bb)).enumerate() {
+            let sumi: i32 = (0..32).map(|i| weight_quant(format, wq, i) * xq[i] as i32).sum();
+            sum += sumi as f32 * (w_scales[b] * x.scales[b]);
+            if format == Format::Q4_1 { sum += w_mins[b] * x.sums[b]; }
+        }
+        return sum;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has the features the function is compiled for; slices hold whole blocks.
+        return unsafe { avx2::dot(format, x, w, w_scales, w_mins) };
+    }
+    dot_scalar(format, x, w, w_scales, w_mins)
 }
 
 /// Host views of the operands, when they are in the layout the native loops need.
@@ -154,7 +494,7 @@ impl Operands {
         }
     }
 
-    fn run(self, dot: fn(&QuantRow, &[u8], &[f32], &[f32]) -> f32) -> FlexTensor {
+    fn run(self, format: Format) -> FlexTensor {
         let (m, k, n) = (self.m, self.k, self.n);
         let rows: Vec<QuantRow> = self.x.chunks_exact(k).map(quantize_row).collect();
         let bytes = self.word_bytes();
@@ -162,14 +502,19 @@ impl Operands {
         let scales = self.scales.as_slice::<f32>().expect("contiguous f32");
         let mins = self.mins.as_ref().map(|t| t.as_slice::<f32>().expect("contiguous f32")).unwrap_or(&[]);
         let blocks = k / BLOCK;
-        // Output column j (weight row j) for every activation row, computed in parallel over j.
+        // Output column j (weight row j) for every activation row, in parallel over groups of
+        // columns (one column is too little work to hand to a thread).
+        const COLS: usize = 16;
         let mut out_t = vec![0.0f32; n * m];
-        out_t.par_chunks_mut(m).enumerate().for_each(|(j, col)| {
-            let w = &bytes[j * row_bytes..(j + 1) * row_bytes];
-            let s = &scales[j * blocks..(j + 1) * blocks];
-            let mn = if mins.is_empty() { &[][..] } else { &mins[j * blocks..(j + 1) * blocks] };
-            for (i, row) in rows.iter().enumerate() {
-                col[i] = dot(row, w, s, mn);
+        out_t.par_chunks_mut(m * COLS).enumerate().for_each(|(g, cols)| {
+            for (c, col) in cols.chunks_mut(m).enumerate() {
+                let j = g * COLS + c;
+                let w = &bytes[j * row_bytes..(j + 1) * row_bytes];
+                let s = &scales[j * blocks..(j + 1) * blocks];
+                let mn = if mins.is_empty() { &[][..] } else { &mins[j * blocks..(j + 1) * blocks] };
+                for (i, row) in rows.iter().enumerate() {
+                    col[i] = dot(format, row, w, s, mn);
+                }
             }
         });
         let out = if m == 1 {
@@ -184,5 +529,50 @@ impl Operands {
             out
         };
         FlexTensor::from_data(TensorData::new(out, [m, n]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SIMD path must give the scalar specification's bits exactly.
+    #[test]
+    fn simd_dot_is_bit_identical_to_scalar() {
+        let mut seed = 1u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+            for blocks in [1usize, 3, 18, 48] {
+                let k = blocks * BLOCK;
+                let x: Vec<f32> = (0..k).map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0).collect();
+                let row = quantize_row(&x);
+                let w: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| next() as u8).collect();
+                let s: Vec<f32> = (0..blocks).map(|_| next() as f32 / u32::MAX as f32 * 0.1).collect();
+                let mn: Vec<f32> = (0..blocks).map(|_| next() as f32 / u32::MAX as f32 - 0.5).collect();
+                let want = dot_scalar(format, &row, &w, &s, &mn);
+                assert_eq!(dot(format, &row, &w, &s, &mn).to_bits(), want.to_bits());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod expf_tests {
+    use super::ggml_expf;
+
+    /// The polynomial is accurate to a couple of ulp over the range activations take.
+    #[test]
+    fn ggml_expf_is_accurate() {
+        for i in -8000..8000 {
+            let x = i as f32 * 0.01;
+            let want = (x as f64).exp();
+            let got = ggml_expf(x) as f64;
+            assert!(((got - want) / want).abs() < 4e-7, "x={x}: {got} vs {want}");
+        }
+        assert_eq!(ggml_expf(-200.0), 0.0);
+        assert_eq!(ggml_expf(200.0), f32::INFINITY);
     }
 }

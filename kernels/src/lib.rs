@@ -69,6 +69,16 @@ pub trait ToyBackend: Backend {
         reference::q4_1_matmul::<Self>(x, words, scales, mins)
     }
 
+    /// RMS normalization over the last dim: `y = x / sqrt(mean(x²) + eps) * weight`.
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        reference::rms_norm::<Self>(x, weight, eps)
+    }
+
+    /// The SwiGLU gate: `silu(gate) * up`, elementwise.
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::swiglu::<Self>(gate, up)
+    }
+
     /// Rotary embedding of `x[b, h, t, d]` at `positions[t]`, rotating the first
     /// `2 * inv_freqs.len()` dims of each head (the rest pass through).
     fn rope(

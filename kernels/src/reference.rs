@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Bool, ElementConversion, Int, Tensor, TensorData, TensorPrimitive, activation};
+use burn::tensor::{Bool, ElementConversion, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive, activation};
 
 use crate::quant::BLOCK;
 use crate::{AttentionOptions, RopeLayout};
@@ -81,6 +81,22 @@ pub fn q4_1_matmul<B: Backend>(
 ) -> FloatTensor<B> {
     let w = dequant_q4_1::<B>(Tensor::from_primitive(words), float(scales), float(mins));
     float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
+}
+
+pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32) -> FloatTensor<B> {
+    let shape = x.shape();
+    let d = shape[shape.num_dims() - 1];
+    let x: Tensor<B, 2> = float(B::float_reshape(x, Shape::new([shape.num_elements() / d, d])));
+    let scale = x.clone().square().mean_dim(1).add_scalar(eps).sqrt().recip();
+    let y = x * scale * float::<B, 1>(weight).unsqueeze::<2>();
+    B::float_reshape(y.into_primitive().tensor(), shape)
+}
+
+pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTensor<B> {
+    let shape = up.shape();
+    let flat = |t| float::<B, 1>(B::float_reshape(t, Shape::new([shape.num_elements()])));
+    let y = activation::silu(flat(gate)) * flat(up);
+    B::float_reshape(y.into_primitive().tensor(), shape)
 }
 
 pub fn rope<B: Backend>(

@@ -169,13 +169,20 @@ fn rope_f64(x: &[f32], shape: [usize; 4], pos: &[i64], inv: &[f32], layout: Rope
 
 fn check_rope<B: ToyBackend>() {
     let d = Default::default();
-    // head_dim 64 fully rotated, and 80 with 32 rotated dims (partial rotary: the rest passes through).
-    for (shape, rot) in [([1, 3, 5, 64], 64), ([2, 2, 3, 80], 32)] {
+    // head_dim 64 fully rotated, and 80 with 32 rotated dims (partial rotary: the rest passes
+    // through); frequency tables as a geometric recurrence (how the model builds them) and as
+    // arbitrary values (scaled tables).
+    for (shape, rot, geometric) in [([1, 3, 5, 64], 64, true), ([2, 2, 3, 80], 32, false), ([1, 2, 4, 64], 64, false)] {
         for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
             let n: usize = shape.iter().product();
             let x = randn(n, 3);
             let pos: Vec<i64> = (0..shape[2] as i64).map(|p| p * 37 + 11).collect();
-            let inv: Vec<f32> = (0..rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32)).collect();
+            let ratio = 10000f32.powf(-2.0 / rot as f32);
+            let inv: Vec<f32> = if geometric {
+                std::iter::successors(Some(1.0f32), |f| Some(f * ratio)).take(rot / 2).collect()
+            } else {
+                (0..rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32) * (1.0 + 0.1 * (i % 3) as f32)).collect()
+            };
             let y = B::rope(
                 float::<B, 4>(x.clone(), shape, &d).into_primitive().tensor(),
                 Tensor::<B, 1, Int>::from_data(TensorData::new(pos.clone(), [shape[2]]), &d).into_primitive(),

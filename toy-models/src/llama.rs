@@ -6,7 +6,6 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
@@ -230,7 +229,7 @@ impl<B: ToyBackend> Transformer<B> {
             x = block.forward(x, i, cache, &step, self);
         }
         cache.len += t;
-        self.output_norm.forward(x)
+        rms_norm(&self.output_norm, x)
     }
 
     /// Logits `[batch, t, vocab]` for every new position.
@@ -246,10 +245,19 @@ impl<B: ToyBackend> Transformer<B> {
     }
 }
 
+/// RMSNorm through the backend's op (burn's `RmsNorm` holds the weight and epsilon).
+fn rms_norm<B: ToyBackend, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::rms_norm(
+        x.into_primitive().tensor(),
+        norm.gamma.val().into_primitive().tensor(),
+        norm.epsilon as f32,
+    )))
+}
+
 impl<B: ToyBackend> Block<B> {
     fn forward(&self, x: Tensor<B, 3>, layer: usize, cache: &mut KvCache<B>, step: &Step<B>, model: &Transformer<B>) -> Tensor<B, 3> {
-        let h = x.clone() + self.attn.forward(self.attn_norm.forward(x), layer, cache, step, model);
-        h.clone() + self.mlp.forward(self.ffn_norm.forward(h))
+        let h = x.clone() + self.attn.forward(rms_norm(&self.attn_norm, x), layer, cache, step, model);
+        h.clone() + self.mlp.forward(rms_norm(&self.ffn_norm, h))
     }
 }
 
@@ -292,6 +300,8 @@ impl<B: ToyBackend> Attention<B> {
 
 impl<B: ToyBackend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down.forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+        let gate = self.gate.forward(x.clone()).into_primitive().tensor();
+        let up = self.up.forward(x).into_primitive().tensor();
+        self.down.forward(Tensor::from_primitive(TensorPrimitive::Float(B::swiglu(gate, up))))
     }
 }
