@@ -214,7 +214,7 @@ fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &AttentionOp
     out
 }
 
-/// RoPE with ggml's angles. When `inv_freqs` is a geometric sequence `s^i` (plain RoPE, as the
+/// RoPE computed as ggml does. When `inv_freqs` is a geometric sequence `s^i` (plain RoPE, as the
 /// model builds it) the angle of pair `i` is ggml's f32 recurrence `theta = p; theta *= s` (from
 /// `ggml_rope_cache_init`), otherwise `p * inv_freqs[i]`; then `cosf`/`sinf` and the rotation.
 fn rope_ggml(x: &[f32], [b, h, t, d]: [usize; 4], pos: &[i64], inv_freqs: &[f32], layout: RopeLayout) -> Vec<f32> {
@@ -241,8 +241,10 @@ fn rope_ggml(x: &[f32], [b, h, t, d]: [usize; 4], pos: &[i64], inv_freqs: &[f32]
                     RopeLayout::Neox => (i, i + half),
                 };
                 let (x0, x1) = (row[i0], row[i1]);
-                row[i0] = x0 * c - x1 * s;
-                row[i1] = x0 * s + x1 * c;
+                // GCC contracts ggml's `x0*cos - x1*sin` / `x0*sin + x1*cos` into these FMAs
+                // (read off the disassembly of llama.cpp's x86-64 build).
+                row[i0] = x0.mul_add(c, -(x1 * s));
+                row[i1] = x0.mul_add(s, x1 * c);
             }
         }
     });
