@@ -18,14 +18,22 @@ use crate::quant::BLOCK;
 use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
 impl ToyBackend for Flex {
-    fn q8_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn q8_0_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         match Operands::new(&x, &words, &scales) {
             Some(ops) => ops.run(Format::Q8_0),
             None => reference::q8_0_matmul::<Self>(x, words, scales),
         }
     }
 
-    fn q4_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn q4_0_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         match Operands::new(&x, &words, &scales) {
             Some(ops) => ops.run(Format::Q4_0),
             None => reference::q4_0_matmul::<Self>(x, words, scales),
@@ -40,7 +48,9 @@ impl ToyBackend for Flex {
             return reference::rms_norm::<Self>(x, weight, eps);
         };
         let mut out = vec![0.0f32; xs.len()];
-        out.par_chunks_mut(d).zip(xs.par_chunks(d)).for_each(|(y, x)| rms_norm_row(x, ws, eps, y));
+        out.par_chunks_mut(d)
+            .zip(xs.par_chunks(d))
+            .for_each(|(y, x)| rms_norm_row(x, ws, eps, y));
         FlexTensor::from_data(TensorData::new(out, shape))
     }
 
@@ -55,9 +65,11 @@ impl ToyBackend for Flex {
         }
         let d = shape[shape.num_dims() - 1];
         let mut out = vec![0.0f32; us.len()];
-        out.par_chunks_mut(d).zip(gs.par_chunks(d).zip(us.par_chunks(d))).for_each(|(y, (g, u))| {
-            swiglu_row(g, u, y);
-        });
+        out.par_chunks_mut(d)
+            .zip(gs.par_chunks(d).zip(us.par_chunks(d)))
+            .for_each(|(y, (g, u))| {
+                swiglu_row(g, u, y);
+            });
         FlexTensor::from_data(TensorData::new(out, shape))
     }
 
@@ -70,25 +82,47 @@ impl ToyBackend for Flex {
         let (qs, ks) = (q.shape(), k.shape());
         let (q, k, v) = (q.to_contiguous(), k.to_contiguous(), v.to_contiguous());
         let native = options.softcap.is_none() && qs.num_dims() == 4 && q.dtype() == DType::F32;
-        let (Some(qd), Some(kd), Some(vd)) = (q.as_slice::<f32>(), k.as_slice::<f32>(), v.as_slice::<f32>()) else {
+        let (Some(qd), Some(kd), Some(vd)) = (
+            q.as_slice::<f32>(),
+            k.as_slice::<f32>(),
+            v.as_slice::<f32>(),
+        ) else {
             return reference::attention::<Self>(q, k, v, options);
         };
         if !native {
             return reference::attention::<Self>(q, k, v, options);
         }
-        let dims = AttnDims { b: qs[0], h: qs[1], tq: qs[2], d: qs[3], h_kv: ks[1], tk: ks[2] };
+        let dims = AttnDims {
+            b: qs[0],
+            h: qs[1],
+            tq: qs[2],
+            d: qs[3],
+            h_kv: ks[1],
+            tk: ks[2],
+        };
         let out = attention_ggml(qd, kd, vd, &dims, &options);
         FlexTensor::from_data(TensorData::new(out, qs))
     }
 
-    fn rope(x: FloatTensor<Self>, positions: IntTensor<Self>, inv_freqs: FloatTensor<Self>, layout: RopeLayout) -> FloatTensor<Self> {
+    fn rope(
+        x: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        inv_freqs: FloatTensor<Self>,
+        layout: RopeLayout,
+    ) -> FloatTensor<Self> {
         let shape = x.shape();
-        let (xc, pc, fc) = (x.to_contiguous(), positions.to_contiguous(), inv_freqs.to_contiguous());
+        let (xc, pc, fc) = (
+            x.to_contiguous(),
+            positions.to_contiguous(),
+            inv_freqs.to_contiguous(),
+        );
         let (Some(xs), Some(fs)) = (xc.as_slice::<f32>(), fc.as_slice::<f32>()) else {
             return reference::rope::<Self>(x, positions, inv_freqs, layout);
         };
         let pos: Vec<i64> = match pc.dtype() {
-            DType::I32 => pc.as_slice::<i32>().map(|p| p.iter().map(|&v| v as i64).collect()),
+            DType::I32 => pc
+                .as_slice::<i32>()
+                .map(|p| p.iter().map(|&v| v as i64).collect()),
             DType::I64 => pc.as_slice::<i64>().map(|p| p.to_vec()),
             _ => None,
         }
@@ -96,7 +130,16 @@ impl ToyBackend for Flex {
         if pos.len() != shape[2] || shape.num_dims() != 4 {
             return reference::rope::<Self>(x, positions, inv_freqs, layout);
         }
-        FlexTensor::from_data(TensorData::new(rope_ggml(xs, [shape[0], shape[1], shape[2], shape[3]], &pos, fs, layout), shape))
+        FlexTensor::from_data(TensorData::new(
+            rope_ggml(
+                xs,
+                [shape[0], shape[1], shape[2], shape[3]],
+                &pos,
+                fs,
+                layout,
+            ),
+            shape,
+        ))
     }
 
     fn q4_1_matmul(
@@ -162,65 +205,81 @@ struct AttnDims {
 /// vec_dot_f32 for one query row, llamafile's tinyBLAS (one 16-lane FMA accumulator, then a
 /// horizontal sum) for several. Query heads `i` read K/V head `i / (h / h_kv)`.
 fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &AttentionOptions) -> Vec<f32> {
-    let AttnDims { b, h, tq, d, h_kv, tk } = *s;
+    let AttnDims {
+        b,
+        h,
+        tq,
+        d,
+        h_kv,
+        tk,
+    } = *s;
     let group = h / h_kv;
     let n_pad = tk.div_ceil(256) * 256;
     let mask = reference::causal_mask(tq, tk, o);
     let mut out = vec![0.0f32; b * h * tq * d];
-    out.par_chunks_mut(tq * d).enumerate().for_each(|(bh, out)| {
-        let (bi, hi) = (bh / h, bh % h);
-        let kv = (bi * h_kv + hi / group) * tk * d;
-        let (kh, vh) = (&k[kv..kv + tk * d], &v[kv..kv + tk * d]);
-        let mut p = vec![0.0f32; n_pad];
-        for i in 0..tq {
-            let qrow = &q[(bh * tq + i) * d..][..d];
-            // Scores, scaled and masked, as ggml_soft_max sees its input row.
-            let mut max = f32::NEG_INFINITY;
-            for j in 0..n_pad {
-                p[j] = if j < tk && !mask[i * tk + j] {
-                    vec_dot_f32(d, |c| kh[j * d + c], |c| qrow[c]) * o.scale
-                } else {
-                    f32::NEG_INFINITY
-                };
-                max = max.max(p[j]);
-            }
-            let mut sum = 0.0f64;
-            for chunk in p.chunks_exact_mut(16) {
-                for e in chunk.iter_mut() {
-                    *e = ggml_expf(*e - max);
+    out.par_chunks_mut(tq * d)
+        .enumerate()
+        .for_each(|(bh, out)| {
+            let (bi, hi) = (bh / h, bh % h);
+            let kv = (bi * h_kv + hi / group) * tk * d;
+            let (kh, vh) = (&k[kv..kv + tk * d], &v[kv..kv + tk * d]);
+            let mut p = vec![0.0f32; n_pad];
+            for i in 0..tq {
+                let qrow = &q[(bh * tq + i) * d..][..d];
+                // Scores, scaled and masked, as ggml_soft_max sees its input row.
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..n_pad {
+                    p[j] = if j < tk && !mask[i * tk + j] {
+                        vec_dot_f32(d, |c| kh[j * d + c], |c| qrow[c]) * o.scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                    max = max.max(p[j]);
                 }
-                sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
-            }
-            let inv = (1.0 / sum) as f32;
-            p.iter_mut().for_each(|e| *e *= inv);
-            let orow = &mut out[i * d..(i + 1) * d];
-            for (c, o) in orow.iter_mut().enumerate() {
-                // Padding positions hold probability 0: they add nothing to any lane.
-                let vcol = |j: usize| if j < tk { vh[j * d + c] } else { 0.0 };
-                *o = if tq == 1 {
-                    vec_dot_f32(n_pad, vcol, |j| p[j])
-                } else {
-                    let mut acc = [0.0f32; 16];
-                    for l in (0..n_pad).step_by(16) {
-                        for (lane, a) in acc.iter_mut().enumerate() {
-                            *a = vcol(l + lane).mul_add(p[l + lane], *a);
-                        }
+                let mut sum = 0.0f64;
+                for chunk in p.chunks_exact_mut(16) {
+                    for e in chunk.iter_mut() {
+                        *e = ggml_expf(*e - max);
                     }
-                    reduce_add16(&acc)
-                };
+                    sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                p.iter_mut().for_each(|e| *e *= inv);
+                let orow = &mut out[i * d..(i + 1) * d];
+                for (c, o) in orow.iter_mut().enumerate() {
+                    // Padding positions hold probability 0: they add nothing to any lane.
+                    let vcol = |j: usize| if j < tk { vh[j * d + c] } else { 0.0 };
+                    *o = if tq == 1 {
+                        vec_dot_f32(n_pad, vcol, |j| p[j])
+                    } else {
+                        let mut acc = [0.0f32; 16];
+                        for l in (0..n_pad).step_by(16) {
+                            for (lane, a) in acc.iter_mut().enumerate() {
+                                *a = vcol(l + lane).mul_add(p[l + lane], *a);
+                            }
+                        }
+                        reduce_add16(&acc)
+                    };
+                }
             }
-        }
-    });
+        });
     out
 }
 
 /// RoPE computed as ggml does. When `inv_freqs` is a geometric sequence `s^i` (plain RoPE, as the
 /// model builds it) the angle of pair `i` is ggml's f32 recurrence `theta = p; theta *= s` (from
 /// `ggml_rope_cache_init`), otherwise `p * inv_freqs[i]`; then `cosf`/`sinf` and the rotation.
-fn rope_ggml(x: &[f32], [b, h, t, d]: [usize; 4], pos: &[i64], inv_freqs: &[f32], layout: RopeLayout) -> Vec<f32> {
+fn rope_ggml(
+    x: &[f32],
+    [b, h, t, d]: [usize; 4],
+    pos: &[i64],
+    inv_freqs: &[f32],
+    layout: RopeLayout,
+) -> Vec<f32> {
     let half = inv_freqs.len();
     let ratio = if half > 1 { inv_freqs[1] } else { 1.0 };
-    let geometric = inv_freqs.first() == Some(&1.0) && inv_freqs.windows(2).all(|w| w[1] == w[0] * ratio);
+    let geometric =
+        inv_freqs.first() == Some(&1.0) && inv_freqs.windows(2).all(|w| w[1] == w[0] * ratio);
     // cos/sin per position and pair, shared by every head.
     let mut cache = Vec::with_capacity(pos.len() * half);
     for &p in pos {
@@ -261,7 +320,9 @@ fn ggml_expf(x: f32) -> f32 {
     let n = z - r;
     let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x)); // x - n ln 2, in two parts
     let u = b * b;
-    let j = c(0x3c07_2010).mul_add(b, c(0x3d2b_9f17)).mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
     let j = j.mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
     if n.abs() > 192.0 {
         return if n <= 0.0 { 0.0 } else { f32::INFINITY };
@@ -276,7 +337,11 @@ fn swiglu_row(g: &[f32], u: &[f32], y: &mut [f32]) {
     let vector = g.len() / 16 * 16;
     for i in 0..g.len() {
         let x = g[i];
-        let e = if i < vector { ggml_expf(0.0 - x) } else { (-x).exp() };
+        let e = if i < vector {
+            ggml_expf(0.0 - x)
+        } else {
+            (-x).exp()
+        };
         y[i] = x / (1.0 + e) * u[i];
     }
 }
@@ -316,7 +381,11 @@ fn quantize_row(x: &[f32]) -> QuantRow {
         let sum: i32 = quants[start..].iter().map(|&q| q as i32).sum();
         sums.push(f16::from_f32(d * sum as f32).to_f32());
     }
-    QuantRow { quants, scales, sums }
+    QuantRow {
+        quants,
+        scales,
+        sums,
+    }
 }
 
 // The dot products reproduce ggml's x86 `ggml_vec_dot_*` to the bit: per block, eight lanes
@@ -356,7 +425,11 @@ fn weight_quant(format: Format, block: &[u8], i: usize) -> i32 {
         Format::Q4_0 | Format::Q4_1 => {
             let byte = block[i % 16];
             let nibble = if i < 16 { byte & 0x0F } else { byte >> 4 } as i32;
-            if format == Format::Q4_0 { nibble - 8 } else { nibble }
+            if format == Format::Q4_0 {
+                nibble - 8
+            } else {
+                nibble
+            }
         }
     }
 }
@@ -366,10 +439,17 @@ fn dot_scalar(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: 
     let bb = format.block_bytes();
     let mut acc = [0.0f32; 8];
     let mut mins = 0.0f32;
-    for (b, (xq, wq)) in x.quants.chunks_exact(BLOCK).zip(w.chunks_exact(bb)).enumerate() {
+    for (b, (xq, wq)) in x
+        .quants
+        .chunks_exact(BLOCK)
+        .zip(w.chunks_exact(bb))
+        .enumerate()
+    {
         let d = w_scales[b] * x.scales[b];
         for (l, lane) in acc.iter_mut().enumerate() {
-            let sumi: i32 = (4 * l..4 * l + 4).map(|i| weight_quant(format, wq, i) * xq[i] as i32).sum();
+            let sumi: i32 = (4 * l..4 * l + 4)
+                .map(|i| weight_quant(format, wq, i) * xq[i] as i32)
+                .sum();
             *lane = d.mul_add(sumi as f32, *lane);
         }
         if format == Format::Q4_1 {
@@ -395,7 +475,11 @@ mod avx2 {
                     let packed = _mm_loadu_si128(block.as_ptr() as *const __m128i);
                     let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
                     let nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-                    if format == Format::Q4_0 { _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8)) } else { nibbles }
+                    if format == Format::Q4_0 {
+                        _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8))
+                    } else {
+                        nibbles
+                    }
                 }
             }
         }
@@ -417,7 +501,13 @@ mod avx2 {
 
     /// One output element; bit-identical to `dot_scalar`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
+    pub(super) unsafe fn dot(
+        format: Format,
+        x: &QuantRow,
+        w: &[u8],
+        w_scales: &[f32],
+        w_mins: &[f32],
+    ) -> f32 {
         unsafe {
             let bb = format.block_bytes();
             let mut acc = _mm256_setzero_ps();
@@ -444,10 +534,19 @@ fn dot(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32])
     if std::env::var_os("TOY_DOT_SEQ").is_some() {
         let bb = format.block_bytes();
         let mut sum = 0.0f32;
-        for (b, (xq, wq)) in x.quants.chunks_exact(BLOCK).zip(w.chunks_exact(bb)).enumerate() {
-            let sumi: i32 = (0..32).map(|i| weight_quant(format, wq, i) * xq[i] as i32).sum();
+        for (b, (xq, wq)) in x
+            .quants
+            .chunks_exact(BLOCK)
+            .zip(w.chunks_exact(bb))
+            .enumerate()
+        {
+            let sumi: i32 = (0..32)
+                .map(|i| weight_quant(format, wq, i) * xq[i] as i32)
+                .sum();
             sum += sumi as f32 * (w_scales[b] * x.scales[b]);
-            if format == Format::Q4_1 { sum += w_mins[b] * x.sums[b]; }
+            if format == Format::Q4_1 {
+                sum += w_mins[b] * x.sums[b];
+            }
         }
         return sum;
     }
@@ -473,7 +572,11 @@ struct Operands {
 impl Operands {
     fn new(x: &FlexTensor, words: &FlexTensor, scales: &FlexTensor) -> Option<Self> {
         let (xs, ws, ss) = (x.shape(), words.shape(), scales.shape());
-        if x.dtype() != DType::F32 || scales.dtype() != DType::F32 || xs.num_dims() != 2 || ws.num_dims() != 2 {
+        if x.dtype() != DType::F32
+            || scales.dtype() != DType::F32
+            || xs.num_dims() != 2
+            || ws.num_dims() != 2
+        {
             return None;
         }
         let (m, k, n) = (xs[0], xs[1], ws[0]);
@@ -486,12 +589,22 @@ impl Operands {
         if !matches!(words.dtype(), DType::U32 | DType::I32) {
             return None;
         }
-        Some(Operands { x: x.as_slice::<f32>()?.to_vec(), m, k, n, words, scales, mins: None })
+        Some(Operands {
+            x: x.as_slice::<f32>()?.to_vec(),
+            m,
+            k,
+            n,
+            words,
+            scales,
+            mins: None,
+        })
     }
 
     fn word_bytes(&self) -> &[u8] {
         match self.words.dtype() {
-            DType::U32 => bytemuck::cast_slice(self.words.as_slice::<u32>().expect("contiguous u32")),
+            DType::U32 => {
+                bytemuck::cast_slice(self.words.as_slice::<u32>().expect("contiguous u32"))
+            }
             _ => bytemuck::cast_slice(self.words.as_slice::<i32>().expect("contiguous i32")),
         }
     }
@@ -502,23 +615,34 @@ impl Operands {
         let bytes = self.word_bytes();
         let row_bytes = bytes.len() / n;
         let scales = self.scales.as_slice::<f32>().expect("contiguous f32");
-        let mins = self.mins.as_ref().map(|t| t.as_slice::<f32>().expect("contiguous f32")).unwrap_or(&[]);
+        let mins = self
+            .mins
+            .as_ref()
+            .map(|t| t.as_slice::<f32>().expect("contiguous f32"))
+            .unwrap_or(&[]);
         let blocks = k / BLOCK;
         // Output column j (weight row j) for every activation row, in parallel over groups of
         // columns (one column is too little work to hand to a thread).
         const COLS: usize = 16;
         let mut out_t = vec![0.0f32; n * m];
-        out_t.par_chunks_mut(m * COLS).enumerate().for_each(|(g, cols)| {
-            for (c, col) in cols.chunks_mut(m).enumerate() {
-                let j = g * COLS + c;
-                let w = &bytes[j * row_bytes..(j + 1) * row_bytes];
-                let s = &scales[j * blocks..(j + 1) * blocks];
-                let mn = if mins.is_empty() { &[][..] } else { &mins[j * blocks..(j + 1) * blocks] };
-                for (i, row) in rows.iter().enumerate() {
-                    col[i] = dot(format, row, w, s, mn);
+        out_t
+            .par_chunks_mut(m * COLS)
+            .enumerate()
+            .for_each(|(g, cols)| {
+                for (c, col) in cols.chunks_mut(m).enumerate() {
+                    let j = g * COLS + c;
+                    let w = &bytes[j * row_bytes..(j + 1) * row_bytes];
+                    let s = &scales[j * blocks..(j + 1) * blocks];
+                    let mn = if mins.is_empty() {
+                        &[][..]
+                    } else {
+                        &mins[j * blocks..(j + 1) * blocks]
+                    };
+                    for (i, row) in rows.iter().enumerate() {
+                        col[i] = dot(format, row, w, s, mn);
+                    }
                 }
-            }
-        });
+            });
         let out = if m == 1 {
             out_t
         } else {
@@ -543,17 +667,27 @@ mod tests {
     fn simd_dot_is_bit_identical_to_scalar() {
         let mut seed = 1u64;
         let mut next = move || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (seed >> 33) as u32
         };
         for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
             for blocks in [1usize, 3, 18, 48] {
                 let k = blocks * BLOCK;
-                let x: Vec<f32> = (0..k).map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0).collect();
+                let x: Vec<f32> = (0..k)
+                    .map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0)
+                    .collect();
                 let row = quantize_row(&x);
-                let w: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| next() as u8).collect();
-                let s: Vec<f32> = (0..blocks).map(|_| next() as f32 / u32::MAX as f32 * 0.1).collect();
-                let mn: Vec<f32> = (0..blocks).map(|_| next() as f32 / u32::MAX as f32 - 0.5).collect();
+                let w: Vec<u8> = (0..blocks * format.block_bytes())
+                    .map(|_| next() as u8)
+                    .collect();
+                let s: Vec<f32> = (0..blocks)
+                    .map(|_| next() as f32 / u32::MAX as f32 * 0.1)
+                    .collect();
+                let mn: Vec<f32> = (0..blocks)
+                    .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+                    .collect();
                 let want = dot_scalar(format, &row, &w, &s, &mn);
                 assert_eq!(dot(format, &row, &w, &s, &mn).to_bits(), want.to_bits());
             }

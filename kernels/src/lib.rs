@@ -15,7 +15,9 @@ pub mod quant;
 pub mod reference;
 
 use burn::backend::NdArray;
-use burn::backend::ndarray::{FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray};
+use burn::backend::ndarray::{
+    FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
+};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
@@ -49,12 +51,20 @@ pub struct AttentionOptions {
 /// per-block scales as f32 (shape `[n, k / 32]`).
 pub trait ToyBackend: Backend {
     /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q8_0 weight `W`.
-    fn q8_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn q8_0_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         reference::q8_0_matmul::<Self>(x, words, scales)
     }
 
     /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q4_0 weight `W`.
-    fn q4_0_matmul(x: FloatTensor<Self>, words: IntTensor<Self>, scales: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn q4_0_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         reference::q4_0_matmul::<Self>(x, words, scales)
     }
 

@@ -53,7 +53,11 @@ fn pack(blocks: &[u8], rows: usize, cols: usize, block_bytes: usize) -> PackedWe
     let n_blocks = rows * cols / BLOCK;
     assert_eq!(blocks.len(), n_blocks * block_bytes, "block data size");
     // The quants are the last 32 (Q8_0) or 16 (Q4_*) bytes of a block, after the f16 fields.
-    let header = if block_bytes == Q4_1_BLOCK_BYTES { 4 } else { 2 };
+    let header = if block_bytes == Q4_1_BLOCK_BYTES {
+        4
+    } else {
+        2
+    };
     let mut words = Vec::with_capacity(n_blocks * (block_bytes - header) / 4);
     let mut scales = Vec::with_capacity(n_blocks);
     let mut mins = (header == 4).then(|| Vec::with_capacity(n_blocks));
@@ -62,7 +66,17 @@ fn pack(blocks: &[u8], rows: usize, cols: usize, block_bytes: usize) -> PackedWe
         if let Some(mins) = mins.as_mut() {
             mins.push(f16::from_le_bytes([block[2], block[3]]).to_f32());
         }
-        words.extend(block[header..].chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        words.extend(
+            block[header..]
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
     }
-    PackedWeight { rows, cols, words, scales, mins }
+    PackedWeight {
+        rows,
+        cols,
+        words,
+        scales,
+        mins,
+    }
 }

@@ -5,7 +5,10 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Bool, ElementConversion, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive, activation};
+use burn::tensor::{
+    Bool, ElementConversion, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive,
+    activation,
+};
 
 use crate::quant::BLOCK;
 use crate::{AttentionOptions, RopeLayout};
@@ -17,7 +20,10 @@ fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
 /// Byte `b` (0..4) of every u32 word, as an Int tensor of values 0..=255. Works for U32 words
 /// and for words bit-cast to I32/I64 (the mask discards sign extension).
 fn word_byte<B: Backend>(words: &Tensor<B, 2, Int>, b: usize) -> Tensor<B, 2, Int> {
-    words.clone().bitwise_right_shift_scalar(((8 * b) as i64).elem()).bitwise_and_scalar(0xFF.elem())
+    words
+        .clone()
+        .bitwise_right_shift_scalar(((8 * b) as i64).elem())
+        .bitwise_and_scalar(0xFF.elem())
 }
 
 /// Dequantize a packed Q8_0 weight (`words[n, k/4]`, `scales[n, k/32]`) to `[n, k]`.
@@ -40,7 +46,12 @@ fn q4_nibbles<B: Backend>(words: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     // become [half, word, byte]: element half*16 + 4*word + byte, ggml's Q4_0 order.
     let nibbles: Vec<_> = [0, 2, 4, 6, 1, 3, 5, 7]
         .into_iter()
-        .map(|s| words.clone().bitwise_right_shift_scalar(((4 * s) as i64).elem()).bitwise_and_scalar(0xF.elem()))
+        .map(|s| {
+            words
+                .clone()
+                .bitwise_right_shift_scalar(((4 * s) as i64).elem())
+                .bitwise_and_scalar(0xF.elem())
+        })
         .collect();
     Tensor::stack::<3>(nibbles, 2)
         .reshape([n, k / BLOCK, 4, 2, 4])
@@ -57,20 +68,38 @@ pub fn dequant_q4_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) 
 }
 
 /// Dequantize a packed Q4_1 weight to `[n, k]`: `scale * q + min` per block.
-pub fn dequant_q4_1<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>, mins: Tensor<B, 2>) -> Tensor<B, 2> {
+pub fn dequant_q4_1<B: Backend>(
+    words: Tensor<B, 2, Int>,
+    scales: Tensor<B, 2>,
+    mins: Tensor<B, 2>,
+) -> Tensor<B, 2> {
     let [n, kw] = words.dims();
     let q = q4_nibbles(words);
     (q * scales.unsqueeze_dim::<3>(2) + mins.unsqueeze_dim::<3>(2)).reshape([n, kw * 8])
 }
 
-pub fn q8_0_matmul<B: Backend>(x: FloatTensor<B>, words: IntTensor<B>, scales: FloatTensor<B>) -> FloatTensor<B> {
+pub fn q8_0_matmul<B: Backend>(
+    x: FloatTensor<B>,
+    words: IntTensor<B>,
+    scales: FloatTensor<B>,
+) -> FloatTensor<B> {
     let w = dequant_q8_0::<B>(Tensor::from_primitive(words), float(scales));
-    float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
+    float::<B, 2>(x)
+        .matmul(w.transpose())
+        .into_primitive()
+        .tensor()
 }
 
-pub fn q4_0_matmul<B: Backend>(x: FloatTensor<B>, words: IntTensor<B>, scales: FloatTensor<B>) -> FloatTensor<B> {
+pub fn q4_0_matmul<B: Backend>(
+    x: FloatTensor<B>,
+    words: IntTensor<B>,
+    scales: FloatTensor<B>,
+) -> FloatTensor<B> {
     let w = dequant_q4_0::<B>(Tensor::from_primitive(words), float(scales));
-    float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
+    float::<B, 2>(x)
+        .matmul(w.transpose())
+        .into_primitive()
+        .tensor()
 }
 
 pub fn q4_1_matmul<B: Backend>(
@@ -80,14 +109,26 @@ pub fn q4_1_matmul<B: Backend>(
     mins: FloatTensor<B>,
 ) -> FloatTensor<B> {
     let w = dequant_q4_1::<B>(Tensor::from_primitive(words), float(scales), float(mins));
-    float::<B, 2>(x).matmul(w.transpose()).into_primitive().tensor()
+    float::<B, 2>(x)
+        .matmul(w.transpose())
+        .into_primitive()
+        .tensor()
 }
 
 pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32) -> FloatTensor<B> {
     let shape = x.shape();
     let d = shape[shape.num_dims() - 1];
-    let x: Tensor<B, 2> = float(B::float_reshape(x, Shape::new([shape.num_elements() / d, d])));
-    let scale = x.clone().square().mean_dim(1).add_scalar(eps).sqrt().recip();
+    let x: Tensor<B, 2> = float(B::float_reshape(
+        x,
+        Shape::new([shape.num_elements() / d, d]),
+    ));
+    let scale = x
+        .clone()
+        .square()
+        .mean_dim(1)
+        .add_scalar(eps)
+        .sqrt()
+        .recip();
     let y = x * scale * float::<B, 1>(weight).unsqueeze::<2>();
     B::float_reshape(y.into_primitive().tensor(), shape)
 }
@@ -120,9 +161,15 @@ pub fn rope<B: Backend>(
     let (x0, x1) = match layout {
         RopeLayout::Interleaved => {
             let pairs = x_rot.reshape([b, h, t, half, 2]);
-            (pairs.clone().narrow(4, 0, 1).reshape([b, h, t, half]), pairs.narrow(4, 1, 1).reshape([b, h, t, half]))
+            (
+                pairs.clone().narrow(4, 0, 1).reshape([b, h, t, half]),
+                pairs.narrow(4, 1, 1).reshape([b, h, t, half]),
+            )
         }
-        RopeLayout::Neox => (x_rot.clone().narrow(3, 0, half), x_rot.narrow(3, half, half)),
+        RopeLayout::Neox => (
+            x_rot.clone().narrow(3, 0, half),
+            x_rot.narrow(3, half, half),
+        ),
     };
     let y0 = x0.clone() * cos.clone() - x1.clone() * sin.clone();
     let y1 = x0 * sin + x1 * cos;
@@ -130,7 +177,11 @@ pub fn rope<B: Backend>(
         RopeLayout::Interleaved => Tensor::stack::<5>(vec![y0, y1], 4).reshape([b, h, t, rot]),
         RopeLayout::Neox => Tensor::cat(vec![y0, y1], 3),
     };
-    let out = if rot < d { Tensor::cat(vec![rotated, x.narrow(3, rot, d - rot)], 3) } else { rotated };
+    let out = if rot < d {
+        Tensor::cat(vec![rotated, x.narrow(3, rot, d - rot)], 3)
+    } else {
+        rotated
+    };
     out.into_primitive().tensor()
 }
 
@@ -174,5 +225,9 @@ pub fn attention<B: Backend>(
         .reshape([1, 1, group * tq, tk])
         .expand([b, h_kv, group * tq, tk]);
     let probs = activation::softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
-    probs.matmul(v).reshape([b, h, tq, d]).into_primitive().tensor()
+    probs
+        .matmul(v)
+        .reshape([b, h, tq, d])
+        .into_primitive()
+        .tensor()
 }

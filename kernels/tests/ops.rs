@@ -22,7 +22,11 @@ fn randn(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn float<B: ToyBackend, const D: usize>(v: Vec<f32>, shape: [usize; D], d: &B::Device) -> Tensor<B, D> {
+fn float<B: ToyBackend, const D: usize>(
+    v: Vec<f32>,
+    shape: [usize; D],
+    d: &B::Device,
+) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(v, shape), d)
 }
 
@@ -33,7 +37,10 @@ fn host<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 fn packed<B: ToyBackend>(p: &PackedWeight, d: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2>) {
     let per_row = p.words.len() / p.rows;
     (
-        Tensor::from_data(TensorData::new(p.words.clone(), [p.rows, per_row]), (d, DType::U32)),
+        Tensor::from_data(
+            TensorData::new(p.words.clone(), [p.rows, per_row]),
+            (d, DType::U32),
+        ),
         float(p.scales.clone(), [p.rows, p.cols / 32], d),
     )
 }
@@ -80,12 +87,21 @@ fn dequant_matches_gguf<B: ToyBackend>() {
             _ => reference::dequant_q4_1(words, scales, mins::<B>(&p, &d)),
         };
         let got = host(deq);
-        assert!(got.iter().zip(&dense).all(|(a, b)| a.to_bits() == b.to_bits()), "{ty}: dequant differs");
+        assert!(
+            got.iter()
+                .zip(&dense)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{ty}: dequant differs"
+        );
     }
 }
 
 fn mins<B: ToyBackend>(p: &PackedWeight, d: &B::Device) -> Tensor<B, 2> {
-    float(p.mins.clone().expect("asymmetric format"), [p.rows, p.cols / 32], d)
+    float(
+        p.mins.clone().expect("asymmetric format"),
+        [p.rows, p.cols / 32],
+        d,
+    )
 }
 
 /// `y = x · Wᵀ` in f64 from the dequantized weight.
@@ -93,7 +109,9 @@ fn matmul_f64(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
     let mut y = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
-            y[i * n + j] = (0..k).map(|l| x[i * k + l] as f64 * w[j * k + l] as f64).sum();
+            y[i * n + j] = (0..k)
+                .map(|l| x[i * k + l] as f64 * w[j * k + l] as f64)
+                .sum();
         }
     }
     y
@@ -105,12 +123,22 @@ fn matmul_f64(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
 /// relative to Σ|x||w|.
 fn check_matmul<B: ToyBackend>(ty: GgmlType, quantizes_activations: bool) {
     let d = Default::default();
-    for (m, k, n) in [(1, 32, 1), (1, 96, 37), (3, 160, 64), (8, 64, 9), (17, 256, 33)] {
+    for (m, k, n) in [
+        (1, 32, 1),
+        (1, 96, 37),
+        (3, 160, 64),
+        (8, 64, 9),
+        (17, 256, 33),
+    ] {
         let (p, w) = weight(ty, n, k, 42 + m as u64);
         let x = randn(m * k, 7 + n as u64);
         let (words, scales) = packed::<B>(&p, &d);
         let xt = float::<B, 2>(x.clone(), [m, k], &d);
-        let (x_, w_, s_) = (xt.into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor());
+        let (x_, w_, s_) = (
+            xt.into_primitive().tensor(),
+            words.into_primitive(),
+            scales.into_primitive().tensor(),
+        );
         let y = match ty {
             GgmlType::Q8_0 => B::q8_0_matmul(x_, w_, s_),
             GgmlType::Q4_0 => B::q4_0_matmul(x_, w_, s_),
@@ -120,32 +148,52 @@ fn check_matmul<B: ToyBackend>(ty: GgmlType, quantizes_activations: bool) {
         let want = matmul_f64(&x, &w, m, k, n);
         for i in 0..m {
             for j in 0..n {
-                let abs_sum: f64 = (0..k).map(|l| (x[i * k + l] as f64 * w[j * k + l] as f64).abs()).sum();
+                let abs_sum: f64 = (0..k)
+                    .map(|l| (x[i * k + l] as f64 * w[j * k + l] as f64).abs())
+                    .sum();
                 let mut bound = 1e-5 * abs_sum + 1e-6;
                 if quantizes_activations && ty == GgmlType::Q4_1 {
                     // Q8_1's block sum s = f16(d Σq) multiplies the weight's min: f16 rounding.
-                    bound += (0..k / 32).map(|b| {
-                        let s: f64 = (0..32).map(|l| x[i * k + b * 32 + l].abs() as f64).sum();
-                        s * p.mins.as_ref().unwrap()[j * (k / 32) + b].abs() as f64 * 1e-3
-                    }).sum::<f64>();
+                    bound += (0..k / 32)
+                        .map(|b| {
+                            let s: f64 = (0..32).map(|l| x[i * k + b * 32 + l].abs() as f64).sum();
+                            s * p.mins.as_ref().unwrap()[j * (k / 32) + b].abs() as f64 * 1e-3
+                        })
+                        .sum::<f64>();
                 }
                 if quantizes_activations {
                     bound += (0..k / 32)
                         .map(|b| {
-                            let amax = x[i * k + b * 32..i * k + b * 32 + 32].iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
-                            let wsum: f64 = (0..32).map(|l| w[j * k + b * 32 + l].abs() as f64).sum();
+                            let amax = x[i * k + b * 32..i * k + b * 32 + 32]
+                                .iter()
+                                .fold(0f32, |a, v| a.max(v.abs()))
+                                as f64;
+                            let wsum: f64 =
+                                (0..32).map(|l| w[j * k + b * 32 + l].abs() as f64).sum();
                             amax / 127.0 * wsum
                         })
                         .sum::<f64>();
                 }
                 let err = (got[i * n + j] as f64 - want[i * n + j]).abs();
-                assert!(err <= bound, "{ty} m={m} k={k} n={n} [{i},{j}]: got {} want {} err {err} > {bound}", got[i * n + j], want[i * n + j]);
+                assert!(
+                    err <= bound,
+                    "{ty} m={m} k={k} n={n} [{i},{j}]: got {} want {} err {err} > {bound}",
+                    got[i * n + j],
+                    want[i * n + j]
+                );
             }
         }
     }
 }
 
-fn rope_f64(x: &[f32], shape: [usize; 4], pos: &[i64], inv: &[f32], layout: RopeLayout) -> Vec<f64> {
+#[allow(clippy::needless_range_loop)] // index math mirrors the formula
+fn rope_f64(
+    x: &[f32],
+    shape: [usize; 4],
+    pos: &[i64],
+    inv: &[f32],
+    layout: RopeLayout,
+) -> Vec<f64> {
     let [b, h, t, d] = shape;
     let half = inv.len();
     let mut out: Vec<f64> = x.iter().map(|&v| v as f64).collect();
@@ -172,34 +220,60 @@ fn check_rope<B: ToyBackend>() {
     // head_dim 64 fully rotated, and 80 with 32 rotated dims (partial rotary: the rest passes
     // through); frequency tables as a geometric recurrence (how the model builds them) and as
     // arbitrary values (scaled tables).
-    for (shape, rot, geometric) in [([1, 3, 5, 64], 64, true), ([2, 2, 3, 80], 32, false), ([1, 2, 4, 64], 64, false)] {
+    for (shape, rot, geometric) in [
+        ([1, 3, 5, 64], 64, true),
+        ([2, 2, 3, 80], 32, false),
+        ([1, 2, 4, 64], 64, false),
+    ] {
         for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
             let n: usize = shape.iter().product();
             let x = randn(n, 3);
             let pos: Vec<i64> = (0..shape[2] as i64).map(|p| p * 37 + 11).collect();
             let ratio = 10000f32.powf(-2.0 / rot as f32);
             let inv: Vec<f32> = if geometric {
-                std::iter::successors(Some(1.0f32), |f| Some(f * ratio)).take(rot / 2).collect()
+                std::iter::successors(Some(1.0f32), |f| Some(f * ratio))
+                    .take(rot / 2)
+                    .collect()
             } else {
-                (0..rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32) * (1.0 + 0.1 * (i % 3) as f32)).collect()
+                (0..rot / 2)
+                    .map(|i| {
+                        10000f32.powf(-2.0 * i as f32 / rot as f32) * (1.0 + 0.1 * (i % 3) as f32)
+                    })
+                    .collect()
             };
             let y = B::rope(
-                float::<B, 4>(x.clone(), shape, &d).into_primitive().tensor(),
-                Tensor::<B, 1, Int>::from_data(TensorData::new(pos.clone(), [shape[2]]), &d).into_primitive(),
-                float::<B, 1>(inv.clone(), [rot / 2], &d).into_primitive().tensor(),
+                float::<B, 4>(x.clone(), shape, &d)
+                    .into_primitive()
+                    .tensor(),
+                Tensor::<B, 1, Int>::from_data(TensorData::new(pos.clone(), [shape[2]]), &d)
+                    .into_primitive(),
+                float::<B, 1>(inv.clone(), [rot / 2], &d)
+                    .into_primitive()
+                    .tensor(),
                 layout,
             );
             let got = host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(y)));
             let want = rope_f64(&x, shape, &pos, &inv, layout);
             // Angles up to ~200 rad: f32 argument rounding gives ~1e-5 absolute error.
             for (g, w) in got.iter().zip(&want) {
-                assert!((*g as f64 - w).abs() < 1e-4, "{layout:?} {shape:?}: {g} vs {w}");
+                assert!(
+                    (*g as f64 - w).abs() < 1e-4,
+                    "{layout:?} {shape:?}: {g} vs {w}"
+                );
             }
         }
     }
 }
 
-fn attention_f64(q: &[f32], k: &[f32], v: &[f32], qs: [usize; 4], tk: usize, hkv: usize, o: &AttentionOptions) -> Vec<f64> {
+fn attention_f64(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    qs: [usize; 4],
+    tk: usize,
+    hkv: usize,
+    o: &AttentionOptions,
+) -> Vec<f64> {
     let [b, h, tq, d] = qs;
     let mask = reference::causal_mask(tq, tk, o);
     let mut out = vec![0.0; b * h * tq * d];
@@ -211,11 +285,20 @@ fn attention_f64(q: &[f32], k: &[f32], v: &[f32], qs: [usize; 4], tk: usize, hkv
                 let scores: Vec<f64> = (0..tk)
                     .map(|j| {
                         let krow = &k[((bi * hkv + kh) * tk + j) * d..][..d];
-                        let mut s = qrow.iter().zip(krow).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * o.scale as f64;
+                        let mut s = qrow
+                            .iter()
+                            .zip(krow)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * o.scale as f64;
                         if let Some(c) = o.softcap {
                             s = c as f64 * (s / c as f64).tanh();
                         }
-                        if mask[i * tk + j] { f64::NEG_INFINITY } else { s }
+                        if mask[i * tk + j] {
+                            f64::NEG_INFINITY
+                        } else {
+                            s
+                        }
                     })
                     .collect();
                 let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -244,20 +327,34 @@ fn check_attention<B: ToyBackend>() {
         (1, 8, 1, 3, 3, 16, None, Some(5.0)),
     ];
     for (b, h, hkv, tq, tk, dim, window, softcap) in cases {
-        let o = AttentionOptions { scale: 1.0 / (dim as f32).sqrt(), q_offset: tk - tq, window, softcap };
+        let o = AttentionOptions {
+            scale: 1.0 / (dim as f32).sqrt(),
+            q_offset: tk - tq,
+            window,
+            softcap,
+        };
         let q = randn(b * h * tq * dim, 1);
         let k = randn(b * hkv * tk * dim, 2);
         let v = randn(b * hkv * tk * dim, 3);
         let y = <B as ToyBackend>::attention(
-            float::<B, 4>(q.clone(), [b, h, tq, dim], &d).into_primitive().tensor(),
-            float::<B, 4>(k.clone(), [b, hkv, tk, dim], &d).into_primitive().tensor(),
-            float::<B, 4>(v.clone(), [b, hkv, tk, dim], &d).into_primitive().tensor(),
+            float::<B, 4>(q.clone(), [b, h, tq, dim], &d)
+                .into_primitive()
+                .tensor(),
+            float::<B, 4>(k.clone(), [b, hkv, tk, dim], &d)
+                .into_primitive()
+                .tensor(),
+            float::<B, 4>(v.clone(), [b, hkv, tk, dim], &d)
+                .into_primitive()
+                .tensor(),
             o,
         );
         let got = host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(y)));
         let want = attention_f64(&q, &k, &v, [b, h, tq, dim], tk, hkv, &o);
         for (g, w) in got.iter().zip(&want) {
-            assert!((*g as f64 - w).abs() < 1e-5, "attention case b{b} h{h}/{hkv} tq{tq} tk{tk}: {g} vs {w}");
+            assert!(
+                (*g as f64 - w).abs() < 1e-5,
+                "attention case b{b} h{h}/{hkv} tq{tq} tk{tk}: {g} vs {w}"
+            );
         }
     }
 }

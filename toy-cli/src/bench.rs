@@ -61,7 +61,9 @@ impl BackendJob for BenchJob {
         let (_file, config, model) = load_model::<B>(&args.model, &device)?;
         // Fixed, arbitrary token ids (the speed does not depend on which).
         let ids = |n: usize| {
-            let v: Vec<i64> = (0..n).map(|i| ((i * 7919 + 17) % config.vocab_size) as i64).collect();
+            let v: Vec<i64> = (0..n)
+                .map(|i| ((i * 7919 + 17) % config.vocab_size) as i64)
+                .collect();
             Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, n]), &device)
         };
         let sync = |t: Tensor<B, 2>| t.into_data(); // forces the computation to finish
@@ -77,7 +79,13 @@ impl BackendJob for BenchJob {
                     samples.push(s);
                 }
             }
-            rows.push(Row { test: format!("pp{p}"), tokens: p, toy_tok_s: median(&mut samples.clone()), toy_samples: samples, llama_cpp_tok_s: None });
+            rows.push(Row {
+                test: format!("pp{p}"),
+                tokens: p,
+                toy_tok_s: median(&mut samples.clone()),
+                toy_samples: samples,
+                llama_cpp_tok_s: None,
+            });
         }
         if args.n_gen > 0 {
             let mut samples = Vec::new();
@@ -92,7 +100,13 @@ impl BackendJob for BenchJob {
                     samples.push(s);
                 }
             }
-            rows.push(Row { test: format!("tg{}", args.n_gen), tokens: args.n_gen, toy_tok_s: median(&mut samples.clone()), toy_samples: samples, llama_cpp_tok_s: None });
+            rows.push(Row {
+                test: format!("tg{}", args.n_gen),
+                tokens: args.n_gen,
+                toy_tok_s: median(&mut samples.clone()),
+                toy_samples: samples,
+                llama_cpp_tok_s: None,
+            });
         }
         Ok(rows)
     }
@@ -102,28 +116,54 @@ impl BackendJob for BenchJob {
 fn llama_bench(path: &PathBuf, args: &BenchArgs, threads: usize) -> Result<Vec<(String, f64)>> {
     let prompts: Vec<String> = args.prompt.iter().map(|p| p.to_string()).collect();
     let out = Command::new(path)
-        .args(["-m"]).arg(&args.model)
-        .args(["-t", &threads.to_string(), "-p", &prompts.join(","), "-n", &args.n_gen.to_string()])
+        .args(["-m"])
+        .arg(&args.model)
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-p",
+            &prompts.join(","),
+            "-n",
+            &args.n_gen.to_string(),
+        ])
         .args(["-r", &args.reps.max(1).to_string(), "-o", "json"])
         .output()
         .with_context(|| format!("cannot run {}", path.display()))?;
     if !out.status.success() {
-        bail!("{} failed: {}", path.display(), String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let last = stderr
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no output");
+        bail!("{} {} ({last})", path.display(), out.status);
     }
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).context("cannot parse llama-bench JSON")?;
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&out.stdout).context("cannot parse llama-bench JSON")?;
     Ok(rows
         .iter()
         .filter_map(|r| {
             let (p, n) = (r["n_prompt"].as_u64()?, r["n_gen"].as_u64()?);
-            let name = if n == 0 { format!("pp{p}") } else { format!("tg{n}") };
+            let name = if n == 0 {
+                format!("pp{p}")
+            } else {
+                format!("tg{n}")
+            };
             Some((name, r["avg_ts"].as_f64()?))
         })
         .collect())
 }
 
 pub fn run(backend: BackendKind, args: BenchArgs) -> Result<()> {
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().ok();
+    let threads = args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .ok();
     let mut rows = dispatch(backend, BenchJob(args.clone()))?;
     if let Some(path) = &args.vs_llama_cpp {
         for (name, ts) in llama_bench(path, &args, threads)? {
@@ -132,9 +172,16 @@ pub fn run(backend: BackendKind, args: BenchArgs) -> Result<()> {
             }
         }
     }
-    let model = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let model = args
+        .model
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     if args.json {
-        println!("{}", serde_json::json!({"model": model, "backend": backend.name(), "threads": threads, "rows": rows}));
+        println!(
+            "{}",
+            serde_json::json!({"model": model, "backend": backend.name(), "threads": threads, "rows": rows})
+        );
         return Ok(());
     }
     println!("| model | backend | threads | test | toy t/s | llama.cpp t/s | toy / llama.cpp |");
@@ -144,7 +191,12 @@ pub fn run(backend: BackendKind, args: BenchArgs) -> Result<()> {
             Some(l) => (format!("{l:.2}"), format!("{:.2}", r.toy_tok_s / l)),
             None => ("—".into(), "—".into()),
         };
-        println!("| {model} | {} | {threads} | {} | {:.2} | {lc} | {ratio} |", backend.name(), r.test, r.toy_tok_s);
+        println!(
+            "| {model} | {} | {threads} | {} | {:.2} | {lc} | {ratio} |",
+            backend.name(),
+            r.test,
+            r.toy_tok_s
+        );
     }
     Ok(())
 }

@@ -60,13 +60,19 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         writer.set("general.file_type", Value::U32(args.to.file_type()))?;
     }
     let bar = ProgressBar::new(file.tensors.len() as u64).with_style(
-        ProgressStyle::with_template("converting [{bar:30}] {pos}/{len} tensors {msg}").expect("static template"),
+        ProgressStyle::with_template("converting [{bar:30}] {pos}/{len} tensors {msg}")
+            .expect("static template"),
     );
     for info in &file.tensors {
         bar.set_message(info.name.clone());
-        let values = tensor_to_f32(&file, info).with_context(|| format!("cannot read tensor {}", info.name))?;
+        let values = tensor_to_f32(&file, info)
+            .with_context(|| format!("cannot read tensor {}", info.name))?;
         let target = args.to.ggml_type();
-        let ty = if info.dims.len() == 2 && info.dims[0] % target.block_size() as u64 == 0 { target } else { GgmlType::F32 };
+        let ty = if info.dims.len() == 2 && info.dims[0] % target.block_size() as u64 == 0 {
+            target
+        } else {
+            GgmlType::F32
+        };
         let data = quantize(ty, &values)?;
         writer.add_tensor(&info.name, &info.dims, ty, data)?;
         bar.inc(1);
@@ -76,6 +82,11 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         .write_atomic(&args.output)
         .with_context(|| format!("cannot write {}", args.output.display()))?;
     bar.finish_and_clear();
-    eprintln!("wrote {} ({} tensors, matrices as {:?})", args.output.display(), file.tensors.len(), args.to);
+    eprintln!(
+        "wrote {} ({} tensors, matrices as {:?})",
+        args.output.display(),
+        file.tensors.len(),
+        args.to
+    );
     Ok(())
 }

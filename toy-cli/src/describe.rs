@@ -58,18 +58,48 @@ pub fn run(args: DescribeArgs) -> Result<()> {
     }
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!("{}", args.model.display());
-    println!("  architecture   {}{}", config.architecture, config.name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default());
+    println!(
+        "  architecture   {}{}",
+        config.architecture,
+        config
+            .name
+            .as_deref()
+            .map(|n| format!(" ({n})"))
+            .unwrap_or_default()
+    );
     println!("  parameters     {} ({:.1} M)", params, params as f64 / 1e6);
     println!("  layers         {}", config.n_layer);
     println!("  d_model        {}", config.d_model);
-    println!("  heads          {} query, {} key/value (GQA {}:1), head dim {}", config.n_head, config.n_head_kv, config.n_head / config.n_head_kv, config.head_dim);
+    println!(
+        "  heads          {} query, {} key/value (GQA {}:1), head dim {}",
+        config.n_head,
+        config.n_head_kv,
+        config.n_head / config.n_head_kv,
+        config.head_dim
+    );
     println!("  ffn            {} (SwiGLU)", config.d_ff);
     println!("  context        {}", config.context_length);
     println!("  rope           {}", config.describe_rope());
     println!("  rms eps        {:e}", config.rms_eps);
-    println!("  output head    {}", if config.tied_embeddings { "tied to token_embd" } else { "output.weight" });
-    println!("  vocab          {} ({})", config.vocab_size, tokenizer.kind());
-    println!("  tensors        {} in GGUF v{}, {:.1} MiB", file.tensors.len(), file.version, mib(tensor_bytes));
+    println!(
+        "  output head    {}",
+        if config.tied_embeddings {
+            "tied to token_embd"
+        } else {
+            "output.weight"
+        }
+    );
+    println!(
+        "  vocab          {} ({})",
+        config.vocab_size,
+        tokenizer.kind()
+    );
+    println!(
+        "  tensors        {} in GGUF v{}, {:.1} MiB",
+        file.tensors.len(),
+        file.version,
+        mib(tensor_bytes)
+    );
     for (ty, (n, b)) in &types {
         println!("    {ty:<6} {n:>4} tensors {:>9.1} MiB", mib(*b));
     }

@@ -65,12 +65,20 @@ pub struct InferArgs {
 }
 
 /// Open a GGUF model and load it onto `device`, with a progress bar on stderr.
-pub fn load_model<B: ToyBackend>(path: &Path, device: &B::Device) -> Result<(GgufFile, ModelConfig, Transformer<B>)> {
+pub fn load_model<B: ToyBackend>(
+    path: &Path,
+    device: &B::Device,
+) -> Result<(GgufFile, ModelConfig, Transformer<B>)> {
     let file = GgufFile::open(path)?;
     let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors").expect("static template"),
+        ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")
+            .expect("static template"),
     );
-    bar.set_message(path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+    bar.set_message(
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
     let (config, model) = load::<B>(&file, device, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -90,20 +98,26 @@ impl BackendJob for InferJob {
         let (file, _config, model) = load_model::<B>(&args.model, &device)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let prompt_text = if args.chat {
-            let template = tokenizer
-                .chat_template()
-                .context("this model has no chat template (tokenizer.chat_template); run without --chat")?;
+            let template = tokenizer.chat_template().context(
+                "this model has no chat template (tokenizer.chat_template); run without --chat",
+            )?;
             let mut messages = Vec::new();
             if let Some(system) = &args.system {
-                messages.push(ChatMessage { role: "system".into(), content: system.clone() });
+                messages.push(ChatMessage {
+                    role: "system".into(),
+                    content: system.clone(),
+                });
             }
-            messages.push(ChatMessage { role: "user".into(), content: args.prompt.clone() });
+            messages.push(ChatMessage {
+                role: "user".into(),
+                content: args.prompt.clone(),
+            });
             chat::render(
                 template,
                 &messages,
                 true,
-                &tokenizer.bos_text().unwrap_or_default(),
-                &tokenizer.eos_text().unwrap_or_default(),
+                tokenizer.bos_text().unwrap_or_default(),
+                tokenizer.eos_text().unwrap_or_default(),
             )?
         } else {
             args.prompt.clone()
@@ -111,7 +125,10 @@ impl BackendJob for InferJob {
         let prompt_ids = tokenizer.encode(&prompt_text, true, true)?;
 
         let seed = args.seed.unwrap_or_else(|| {
-            SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
         });
         let params = SamplingParams {
             temperature: args.temperature,
@@ -123,23 +140,39 @@ impl BackendJob for InferJob {
             ..SamplingParams::default()
         };
         let mut sampler = Sampler::new(params);
-        let options = GenerateOptions { max_new_tokens: args.n_predict, stop_at_eog: !args.ignore_eos };
+        let options = GenerateOptions {
+            max_new_tokens: args.n_predict,
+            stop_at_eog: !args.ignore_eos,
+        };
 
         let mut decoder = StreamDecoder::new(&tokenizer);
         let mut stops = StopStrings::new(args.stop.clone());
         let mut stdout = std::io::stdout().lock();
         let mut text = String::new();
         let stream = !args.json;
-        let (ids, stats) = generate(&model, &prompt_ids, &options, &mut sampler, |id| tokenizer.is_eog(id), |id| {
-            let piece = decoder.push(id);
-            let (emit, stop) = stops.push(&piece);
-            text.push_str(&emit);
-            if stream {
-                // A closed stdout (e.g. `| head`) just ends the stream.
-                let _ = stdout.write_all(emit.as_bytes()).and_then(|_| stdout.flush());
-            }
-            if stop { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
-        })?;
+        let (ids, stats) = generate(
+            &model,
+            &prompt_ids,
+            &options,
+            &mut sampler,
+            |id| tokenizer.is_eog(id),
+            |id| {
+                let piece = decoder.push(id);
+                let (emit, stop) = stops.push(&piece);
+                text.push_str(&emit);
+                if stream {
+                    // A closed stdout (e.g. `| head`) just ends the stream.
+                    let _ = stdout
+                        .write_all(emit.as_bytes())
+                        .and_then(|_| stdout.flush());
+                }
+                if stop {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            },
+        )?;
         let tail = stops.finish(&decoder.finish());
         text.push_str(&tail);
 

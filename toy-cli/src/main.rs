@@ -29,7 +29,13 @@ use crate::backend::BackendKind;
 struct Cli {
     /// Compute backend: `cpu` (burn Flex, native kernels) or `ndarray` (burn NdArray,
     /// reference kernels).
-    #[arg(long, global = true, env = "TOY_BACKEND", default_value = "cpu", value_enum)]
+    #[arg(
+        long,
+        global = true,
+        env = "TOY_BACKEND",
+        default_value = "cpu",
+        value_enum
+    )]
     backend: BackendKind,
 
     #[command(subcommand)]

@@ -37,7 +37,7 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
         println!("{ids:?}");
     } else {
         for id in ids {
-            let piece = String::from_utf8_lossy(&tokenizer.token_bytes(id)).into_owned();
+            let piece = String::from_utf8_lossy(tokenizer.token_bytes(id)).into_owned();
             println!("{id:6} -> '{piece}'");
         }
     }

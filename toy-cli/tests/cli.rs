@@ -9,7 +9,10 @@ use sha2::{Digest, Sha256};
 use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value as GgufValue};
 
 fn toy(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_toy")).args(args).output().expect("run toy")
+    Command::new(env!("CARGO_BIN_EXE_toy"))
+        .args(args)
+        .output()
+        .expect("run toy")
 }
 
 fn root() -> PathBuf {
@@ -19,18 +22,31 @@ fn root() -> PathBuf {
 fn model(kind: &str) -> String {
     let cache = std::env::var_os("TOY_MODEL_CACHE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models"));
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
+        });
     let path = cache.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
-    assert!(path.exists(), "{} is missing: run scripts/fetch-smollm2.sh first", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-smollm2.sh first",
+        path.display()
+    );
     path.to_string_lossy().into_owned()
 }
 
 fn oracle(name: &str) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(root().join("fixtures/smollm2").join(name)).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(root().join("fixtures/smollm2").join(name)).unwrap(),
+    )
+    .unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -43,26 +59,51 @@ fn scratch(name: &str) -> PathBuf {
 /// `needle`, and no panic.
 fn assert_clean_error(out: &Output, needle: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {stderr}"
+    );
     assert_eq!(out.status.code(), Some(1), "exit code; stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "panic: {stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "want one line, got: {stderr}");
     assert!(lines[0].starts_with("error: "), "{stderr}");
-    assert!(lines[0].to_lowercase().contains(&needle.to_lowercase()), "{:?} does not mention {needle:?}", lines[0]);
+    assert!(
+        lines[0].to_lowercase().contains(&needle.to_lowercase()),
+        "{:?} does not mention {needle:?}",
+        lines[0]
+    );
 }
 
 #[test]
 fn infer_json_greedy_matches_llama_cpp() {
     let case = &oracle("greedy.json")["results"]["Q8_0"][0];
-    let out = toy(&["infer", &model("Q8_0"), "-p", case["prompt"].as_str().unwrap(), "-n", "16", "--temperature", "0", "--ignore-eos", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = toy(&[
+        "infer",
+        &model("Q8_0"),
+        "-p",
+        case["prompt"].as_str().unwrap(),
+        "-n",
+        "16",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // stdout holds only the JSON object.
     let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     assert_eq!(ids(&v["prompt_ids"]), ids(&case["prompt_ids"]));
     assert_eq!(ids(&v["ids"]), ids(&case["gen_ids"])[..16]);
     assert!(v["text"].as_str().unwrap().starts_with(" Paris."));
-    assert!(v["prompt_tokens_per_s"].as_f64().unwrap() > 0.0 && v["gen_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(
+        v["prompt_tokens_per_s"].as_f64().unwrap() > 0.0
+            && v["gen_tokens_per_s"].as_f64().unwrap() > 0.0
+    );
 }
 
 #[test]
@@ -70,10 +111,26 @@ fn infer_streams_text_and_stops_at_eog() {
     // Greedy SmolLM2 on this prompt ends its answer with <|im_end|> at step 29 (oracle
     // first_eog_index): without --ignore-eos generation stops there.
     let case = &oracle("greedy.json")["results"]["F32"][0];
-    let out = toy(&["infer", &model("Q8_0"), "-p", "The capital of France is", "-n", "40", "--temperature", "0"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = toy(&[
+        "infer",
+        &model("Q8_0"),
+        "-p",
+        "The capital of France is",
+        "-n",
+        "40",
+        "--temperature",
+        "0",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(text.trim_end(), case["gen_text_until_eog"].as_str().unwrap().trim_end());
+    assert_eq!(
+        text.trim_end(),
+        case["gen_text_until_eog"].as_str().unwrap().trim_end()
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("tok/s"), "speed line missing: {stderr}");
 }
@@ -81,8 +138,22 @@ fn infer_streams_text_and_stops_at_eog() {
 #[test]
 fn infer_seed_makes_sampling_repeatable() {
     let run = |seed: &str| {
-        let out = toy(&["infer", &model("Q8_0"), "-p", "Once upon a time", "-n", "12", "--seed", seed, "--json"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = toy(&[
+            "infer",
+            &model("Q8_0"),
+            "-p",
+            "Once upon a time",
+            "-n",
+            "12",
+            "--seed",
+            seed,
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         ids(&serde_json::from_slice::<Value>(&out.stdout).unwrap()["ids"])
     };
     assert_eq!(run("42"), run("42"));
@@ -97,21 +168,43 @@ fn tokenize_matches_llama_tokenize() {
             continue; // clap needs a value; covered by the library tests
         }
         let out = toy(&["tokenize", &model("Q4_1"), text, "--json"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(ids(&v["ids"]), ids(&case["llama_tokenize_cli_ids"]), "{text:?}");
+        assert_eq!(
+            ids(&v["ids"]),
+            ids(&case["llama_tokenize_cli_ids"]),
+            "{text:?}"
+        );
     }
 }
 
 #[test]
 fn describe_reports_the_card() {
     let out = toy(&["describe", &model("Q4_1"), "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["architecture"], "llama");
     assert_eq!(v["parameters"], 134_515_008u64); // as transformers counts them (hf_reference.json)
-    assert_eq!((v["layers"].as_u64(), v["heads"].as_u64(), v["kv_heads"].as_u64()), (Some(30), Some(9), Some(3)));
-    assert_eq!((v["head_dim"].as_u64(), v["vocab_size"].as_u64()), (Some(64), Some(49152)));
+    assert_eq!(
+        (
+            v["layers"].as_u64(),
+            v["heads"].as_u64(),
+            v["kv_heads"].as_u64()
+        ),
+        (Some(30), Some(9), Some(3))
+    );
+    assert_eq!(
+        (v["head_dim"].as_u64(), v["vocab_size"].as_u64()),
+        (Some(64), Some(49152))
+    );
     assert_eq!(v["tensor_types"]["Q4_1"]["tensors"], 210);
     assert_eq!(v["tensor_types"]["Q8_0"]["tensors"], 1);
     assert!(v["tokenizer"].as_str().unwrap().contains("smollm"));
@@ -123,21 +216,44 @@ fn convert_is_byte_identical_to_gguf_py() {
     let meta = oracle("greedy.json");
     for (to, kind) in [("q8_0", "Q8_0"), ("f32", "F32")] {
         let out_path = scratch(&format!("convert.{kind}.gguf"));
-        let out = toy(&["convert", &model("Q4_1"), out_path.to_str().unwrap(), "--to", to]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = toy(&[
+            "convert",
+            &model("Q4_1"),
+            out_path.to_str().unwrap(),
+            "--to",
+            to,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let digest = Sha256::digest(std::fs::read(&out_path).unwrap());
         let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, meta["model_files"][kind]["sha256"].as_str().unwrap(), "{kind}");
+        assert_eq!(
+            hex,
+            meta["model_files"][kind]["sha256"].as_str().unwrap(),
+            "{kind}"
+        );
         std::fs::remove_file(&out_path).unwrap();
     }
 }
 
 #[test]
 fn missing_file_is_a_clean_error() {
-    assert_clean_error(&toy(&["describe", "/nonexistent/model.gguf"]), "/nonexistent/model.gguf");
+    assert_clean_error(
+        &toy(&["describe", "/nonexistent/model.gguf"]),
+        "/nonexistent/model.gguf",
+    );
     let out = toy(&["infer", "/nonexistent/model.gguf", "-p", "hi"]);
     assert_clean_error(&out, "No such file");
-    assert_eq!(String::from_utf8_lossy(&out.stderr).matches("No such file").count(), 1, "cause repeated");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr)
+            .matches("No such file")
+            .count(),
+        1,
+        "cause repeated"
+    );
 }
 
 #[test]
@@ -149,7 +265,10 @@ fn directory_is_a_clean_error() {
 fn wrong_magic_is_a_clean_error() {
     let p = scratch("magic.gguf");
     std::fs::write(&p, b"GGML\x03\x00\x00\x00 not a gguf file at all").unwrap();
-    assert_clean_error(&toy(&["infer", p.to_str().unwrap(), "-p", "hi"]), "not a GGUF file");
+    assert_clean_error(
+        &toy(&["infer", p.to_str().unwrap(), "-p", "hi"]),
+        "not a GGUF file",
+    );
 }
 
 fn fixture_bytes() -> Vec<u8> {
@@ -164,7 +283,10 @@ fn truncated_file_is_a_clean_error() {
         std::fs::write(&p, &bytes[..cut]).unwrap();
         let out = toy(&["describe", p.to_str().unwrap()]);
         let msg = String::from_utf8_lossy(&out.stderr).to_lowercase();
-        assert!(msg.contains("truncated") || msg.contains("corrupt"), "cut {cut}: {msg}");
+        assert!(
+            msg.contains("truncated") || msg.contains("corrupt"),
+            "cut {cut}: {msg}"
+        );
         assert_clean_error(&out, "");
     }
 }
@@ -176,7 +298,10 @@ fn huge_counts_are_clean_errors() {
     huge_tensors[8..16].copy_from_slice(&(1u64 << 60).to_le_bytes());
     let mut huge_string = fixture_bytes();
     huge_string[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
-    for (name, bytes, needle) in [("tensors", huge_tensors, "tensor count"), ("string", huge_string, "length")] {
+    for (name, bytes, needle) in [
+        ("tensors", huge_tensors, "tensor count"),
+        ("string", huge_string, "length"),
+    ] {
         let p = scratch(&format!("huge-{name}.gguf"));
         std::fs::write(&p, bytes).unwrap();
         assert_clean_error(&toy(&["infer", p.to_str().unwrap(), "-p", "hi"]), needle);
@@ -187,29 +312,49 @@ fn huge_counts_are_clean_errors() {
 fn unsupported_architecture_is_a_clean_error() {
     let file = GgufFile::open(model("Q4_1")).unwrap();
     let mut w = GgufWriter::from_file(&file);
-    w.set("general.architecture", GgufValue::String("mamba".into())).unwrap();
-    w.add_tensor("token_embd.weight", &[32, 4], GgmlType::F32, vec![0u8; 32 * 4 * 4]).unwrap();
+    w.set("general.architecture", GgufValue::String("mamba".into()))
+        .unwrap();
+    w.add_tensor(
+        "token_embd.weight",
+        &[32, 4],
+        GgmlType::F32,
+        vec![0u8; 32 * 4 * 4],
+    )
+    .unwrap();
     let p = scratch("mamba.gguf");
     w.write_atomic(&p).unwrap();
     let out = toy(&["infer", p.to_str().unwrap(), "-p", "hi"]);
     assert_clean_error(&out, "unsupported architecture \"mamba\"");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("llama"), "should name the supported ones");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("llama"),
+        "should name the supported ones"
+    );
 }
 
 #[test]
 fn missing_tensor_is_a_clean_error() {
     let file = GgufFile::open(model("Q4_1")).unwrap();
     let mut w = GgufWriter::from_file(&file);
-    for t in file.tensors.iter().filter(|t| t.name != "blk.7.ffn_up.weight") {
+    for t in file
+        .tensors
+        .iter()
+        .filter(|t| t.name != "blk.7.ffn_up.weight")
+    {
         w.copy_tensor(&file, t).unwrap();
     }
     let p = scratch("missing-tensor.gguf");
     w.write_atomic(&p).unwrap();
-    assert_clean_error(&toy(&["infer", p.to_str().unwrap(), "-p", "hi"]), "blk.7.ffn_up.weight");
+    assert_clean_error(
+        &toy(&["infer", p.to_str().unwrap(), "-p", "hi"]),
+        "blk.7.ffn_up.weight",
+    );
     std::fs::remove_file(&p).unwrap();
 }
 
 #[test]
 fn oversize_request_is_a_clean_error() {
-    assert_clean_error(&toy(&["infer", &model("Q8_0"), "-p", "hi", "-n", "9000"]), "exceeds the context of 8192");
+    assert_clean_error(
+        &toy(&["infer", &model("Q8_0"), "-p", "hi", "-n", "9000"]),
+        "exceeds the context of 8192",
+    );
 }

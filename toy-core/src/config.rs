@@ -30,7 +30,9 @@ pub enum RopeLayout {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
 }
 
 /// Everything the transformer needs to know about its shape, read from metadata.
@@ -65,8 +67,11 @@ impl ModelConfig {
         }
         let key = |k: &str| format!("{arch}.{k}");
         let req_usize = |k: &str| -> Result<usize, ConfigError> {
-            let v = file.get_u64(&key(k))?.ok_or_else(|| GgufError::MissingKey(key(k)))?;
-            usize::try_from(v).map_err(|_| ConfigError::Invalid(format!("{} = {v} is too large", key(k))))
+            let v = file
+                .get_u64(&key(k))?
+                .ok_or_else(|| GgufError::MissingKey(key(k)))?;
+            usize::try_from(v)
+                .map_err(|_| ConfigError::Invalid(format!("{} = {v} is too large", key(k))))
         };
         let opt_usize = |k: &str| -> Result<Option<usize>, ConfigError> {
             Ok(file.get_u64(&key(k))?.map(|v| v as usize))
@@ -94,7 +99,9 @@ impl ModelConfig {
         };
         let rope_dim = opt_usize("rope.dimension_count")?.unwrap_or(head_dim);
         if rope_dim > head_dim || rope_dim % 2 != 0 {
-            return Err(ConfigError::Invalid(format!("rope.dimension_count {rope_dim} with head_dim {head_dim}")));
+            return Err(ConfigError::Invalid(format!(
+                "rope.dimension_count {rope_dim} with head_dim {head_dim}"
+            )));
         }
         let embd = file
             .tensor("token_embd.weight")
@@ -103,7 +110,9 @@ impl ModelConfig {
             Some(v) => v,
             None => embd.dims.get(1).copied().unwrap_or(0) as usize,
         };
-        let rms_eps = file.get_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5) as f32;
+        let rms_eps = file
+            .get_f64(&key("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5) as f32;
         let rope_theta = file.get_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
         let rope_scaling = rope_scaling(file, &arch)?;
 
@@ -154,7 +163,10 @@ impl ModelConfig {
             RopeLayout::Interleaved => "interleaved",
             RopeLayout::Neox => "neox",
         };
-        format!("θ={} dims={} {layout}, scaling {scaling}", self.rope_theta, self.rope_dim)
+        format!(
+            "θ={} dims={} {layout}, scaling {scaling}",
+            self.rope_theta, self.rope_dim
+        )
     }
 }
 
@@ -170,6 +182,8 @@ fn rope_scaling(file: &GgufFile, arch: &str) -> Result<RopeScaling, ConfigError>
         "yarn" | "llama3" => Err(ConfigError::Invalid(format!(
             "RoPE scaling {kind:?} is not supported yet (supported: none, linear)"
         ))),
-        other => Err(ConfigError::Invalid(format!("unknown RoPE scaling type {other:?}"))),
+        other => Err(ConfigError::Invalid(format!(
+            "unknown RoPE scaling type {other:?}"
+        ))),
     }
 }

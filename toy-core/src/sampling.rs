@@ -77,7 +77,7 @@ impl SamplingParams {
 
     pub fn is_greedy(&self) -> bool {
         // `!(t > 0)` so that NaN counts as greedy too.
-        !(self.temperature > 0.0)
+        self.temperature.is_nan() || self.temperature <= 0.0
     }
 }
 

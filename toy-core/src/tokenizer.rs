@@ -642,7 +642,7 @@ impl Tokenizer {
         let has = |eog: &HashSet<u32>, text: &str| text_in_eog(eog, text).is_some();
         if let Some(end) = text_in_eog(&eog, "<|end|>") {
             let has_call = has(&eog, "<|call|>") || has(&eog, "<|calls|>");
-            if (has(&eog, "<|return|>") && has_call) || (has_call && has(&eog, "<|flush|>")) {
+            if has_call && (has(&eog, "<|return|>") || has(&eog, "<|flush|>")) {
                 eog.remove(&end);
                 attrs[end as usize] = ATTR_USER_DEFINED;
             }
@@ -1090,11 +1090,7 @@ impl Tokenizer {
         let mut ids = ids;
         // SentencePiece: the space added in front of the text is removed again.
         let mut remove_space = self.add_space_prefix;
-        if remove_special
-            && self.add_bos
-            && ids.first().is_some()
-            && ids.first() == self.bos.as_ref()
-        {
+        if remove_special && self.add_bos && !ids.is_empty() && ids.first() == self.bos.as_ref() {
             remove_space = false;
             ids = &ids[1..];
         }

@@ -14,8 +14,14 @@ use crate::llama::Transformer;
 pub enum GenerateError {
     #[error("the prompt is empty: give at least one token")]
     EmptyPrompt,
-    #[error("prompt of {prompt} tokens plus {max_new} new tokens exceeds the context of {context}; shorten the prompt or lower -n")]
-    ContextOverflow { prompt: usize, max_new: usize, context: usize },
+    #[error(
+        "prompt of {prompt} tokens plus {max_new} new tokens exceeds the context of {context}; shorten the prompt or lower -n"
+    )]
+    ContextOverflow {
+        prompt: usize,
+        max_new: usize,
+        context: usize,
+    },
     #[error("backend error: {0}")]
     Backend(String),
 }
@@ -39,7 +45,11 @@ impl GenerationStats {
     /// Decode speed over the steps after the first token (the first comes from the prefill).
     pub fn gen_tokens_per_s(&self) -> f64 {
         let steps = self.generated_tokens.saturating_sub(1);
-        if steps == 0 { 0.0 } else { steps as f64 / self.generation_time.as_secs_f64().max(1e-9) }
+        if steps == 0 {
+            0.0
+        } else {
+            steps as f64 / self.generation_time.as_secs_f64().max(1e-9)
+        }
     }
 }
 
@@ -54,7 +64,10 @@ pub struct GenerateOptions {
 
 /// Logits of one row, on the host.
 fn host_logits<B: ToyBackend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, GenerateError> {
-    logits.into_data().into_vec::<f32>().map_err(|e| GenerateError::Backend(format!("{e:?}")))
+    logits
+        .into_data()
+        .into_vec::<f32>()
+        .map_err(|e| GenerateError::Backend(format!("{e:?}")))
 }
 
 /// Generate from `prompt`. `on_token(id)` receives each new id as it is sampled and may stop the
@@ -81,7 +94,11 @@ pub fn generate<B: ToyBackend>(
     let mut cache = model.new_cache();
     let mut history: Vec<u32> = prompt.to_vec();
     let mut generated = Vec::with_capacity(options.max_new_tokens);
-    let mut stats = GenerationStats { prompt_tokens: prompt.len(), finish_reason: "length", ..Default::default() };
+    let mut stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        finish_reason: "length",
+        ..Default::default()
+    };
     let to_tensor = |ids: &[u32]| {
         let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
         let n = ids.len();

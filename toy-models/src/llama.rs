@@ -50,25 +50,46 @@ pub struct LlamaConfig {
 
 impl LlamaConfig {
     pub fn from_model_config(c: &toy_core::config::ModelConfig) -> Self {
-        LlamaConfig::new(c.n_layer, c.d_model, c.n_head, c.n_head_kv, c.head_dim, c.d_ff, c.vocab_size, c.context_length)
-            .with_rms_eps(c.rms_eps as f64)
-            .with_rope_theta(c.rope_theta)
-            .with_rope_dim(c.rope_dim)
-            .with_rope_interleaved(c.rope_layout == toy_core::config::RopeLayout::Interleaved)
-            .with_tied_embeddings(c.tied_embeddings)
+        LlamaConfig::new(
+            c.n_layer,
+            c.d_model,
+            c.n_head,
+            c.n_head_kv,
+            c.head_dim,
+            c.d_ff,
+            c.vocab_size,
+            c.context_length,
+        )
+        .with_rms_eps(c.rms_eps as f64)
+        .with_rope_theta(c.rope_theta)
+        .with_rope_dim(c.rope_dim)
+        .with_rope_interleaved(c.rope_layout == toy_core::config::RopeLayout::Interleaved)
+        .with_tied_embeddings(c.tied_embeddings)
     }
 
     fn rope_dim(&self) -> usize {
-        if self.rope_dim == 0 { self.head_dim } else { self.rope_dim }
+        if self.rope_dim == 0 {
+            self.head_dim
+        } else {
+            self.rope_dim
+        }
     }
 
     /// A randomly initialized model (small normal weights), for training from scratch and tests.
     pub fn init<B: ToyBackend>(&self, device: &B::Device) -> Transformer<B> {
         let dense = |out: usize, inp: usize| {
             let std = (1.0 / inp as f64).sqrt();
-            QLinear::Dense(Param::from_tensor(Tensor::random([out, inp], Distribution::Normal(0.0, std), device)))
+            QLinear::Dense(Param::from_tensor(Tensor::random(
+                [out, inp],
+                Distribution::Normal(0.0, std),
+                device,
+            )))
         };
-        let norm = || RmsNormConfig::new(self.d_model).with_epsilon(self.rms_eps).init(device);
+        let norm = || {
+            RmsNormConfig::new(self.d_model)
+                .with_epsilon(self.rms_eps)
+                .init(device)
+        };
         let blocks = (0..self.n_layer)
             .map(|_| Block {
                 attn_norm: norm(),
@@ -179,7 +200,10 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     pub fn new(n_layer: usize) -> Self {
-        KvCache { layers: vec![None; n_layer], len: 0 }
+        KvCache {
+            layers: vec![None; n_layer],
+            len: 0,
+        }
     }
 
     /// Tokens held.
@@ -192,7 +216,12 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Append this step's keys and values for `layer`; returns everything held for it.
-    fn append(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    fn append(
+        &mut self,
+        layer: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let kv = match self.layers[layer].take() {
             None => (k, v),
             Some((pk, pv)) => (Tensor::cat(vec![pk, k], 2), Tensor::cat(vec![pv, v], 2)),
@@ -219,11 +248,18 @@ impl<B: ToyBackend> Transformer<B> {
 
     /// Run `tokens[batch, t]` after the `cache.len()` tokens already in the cache and append
     /// them to it. Returns the final hidden states `[batch, t, d_model]` (after the output norm).
-    pub fn forward_hidden(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+    pub fn forward_hidden(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
         let [_, t] = tokens.dims();
         let device = tokens.device();
         let past = cache.len;
-        let step = Step { positions: Tensor::arange(past as i64..(past + t) as i64, &device), past };
+        let step = Step {
+            positions: Tensor::arange(past as i64..(past + t) as i64, &device),
+            past,
+        };
         let mut x = self.token_embd.forward(tokens);
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(x, i, cache, &step, self);
@@ -255,14 +291,31 @@ fn rms_norm<B: ToyBackend, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -
 }
 
 impl<B: ToyBackend> Block<B> {
-    fn forward(&self, x: Tensor<B, 3>, layer: usize, cache: &mut KvCache<B>, step: &Step<B>, model: &Transformer<B>) -> Tensor<B, 3> {
-        let h = x.clone() + self.attn.forward(rms_norm(&self.attn_norm, x), layer, cache, step, model);
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        layer: usize,
+        cache: &mut KvCache<B>,
+        step: &Step<B>,
+        model: &Transformer<B>,
+    ) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .attn
+                .forward(rms_norm(&self.attn_norm, x), layer, cache, step, model);
         h.clone() + self.mlp.forward(rms_norm(&self.ffn_norm, h))
     }
 }
 
 impl<B: ToyBackend> Attention<B> {
-    fn forward(&self, x: Tensor<B, 3>, layer: usize, cache: &mut KvCache<B>, step: &Step<B>, model: &Transformer<B>) -> Tensor<B, 3> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        layer: usize,
+        cache: &mut KvCache<B>,
+        step: &Step<B>,
+        model: &Transformer<B>,
+    ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, self.head_dim]).swap_dims(1, 2);
         let q = heads(self.wq.forward(x.clone()), self.n_head);
@@ -284,11 +337,18 @@ impl<B: ToyBackend> Attention<B> {
             options,
         );
         let out: Tensor<B, 4> = Tensor::from_primitive(TensorPrimitive::Float(out));
-        self.wo.forward(out.swap_dims(1, 2).reshape([b, t, self.n_head * self.head_dim]))
+        self.wo.forward(
+            out.swap_dims(1, 2)
+                .reshape([b, t, self.n_head * self.head_dim]),
+        )
     }
 
     fn rope(&self, x: Tensor<B, 4>, step: &Step<B>, model: &Transformer<B>) -> Tensor<B, 4> {
-        let layout = if model.rope_interleaved { RopeLayout::Interleaved } else { RopeLayout::Neox };
+        let layout = if model.rope_interleaved {
+            RopeLayout::Interleaved
+        } else {
+            RopeLayout::Neox
+        };
         Tensor::from_primitive(TensorPrimitive::Float(B::rope(
             x.into_primitive().tensor(),
             step.positions.clone().into_primitive(),
@@ -302,6 +362,9 @@ impl<B: ToyBackend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let gate = self.gate.forward(x.clone()).into_primitive().tensor();
         let up = self.up.forward(x).into_primitive().tensor();
-        self.down.forward(Tensor::from_primitive(TensorPrimitive::Float(B::swiglu(gate, up))))
+        self.down
+            .forward(Tensor::from_primitive(TensorPrimitive::Float(B::swiglu(
+                gate, up,
+            ))))
     }
 }

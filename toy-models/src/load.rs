@@ -20,7 +20,11 @@ pub enum LoadError {
     #[error("tensor {0:?} is missing from the GGUF file")]
     MissingTensor(String),
     #[error("tensor {name:?} has shape {found:?} (ggml order), expected {expected:?}")]
-    ShapeMismatch { name: String, expected: Vec<u64>, found: Vec<u64> },
+    ShapeMismatch {
+        name: String,
+        expected: Vec<u64>,
+        found: Vec<u64>,
+    },
 }
 
 /// Load the model in `file` onto `device`. `progress(done, total)` is called after each tensor.
@@ -77,19 +81,31 @@ pub fn load<B: ToyBackend>(
         tick();
         let ffn_norm = norm(file, &name("ffn_norm"), c, device)?;
         tick();
-        blocks.push(Block { attn_norm, attn, ffn_norm, mlp });
+        blocks.push(Block {
+            attn_norm,
+            attn,
+            ffn_norm,
+            mlp,
+        });
     }
-    let model = LlamaConfig::from_model_config(c).assemble(token_embd, blocks, output_norm, output, device);
+    let model =
+        LlamaConfig::from_model_config(c).assemble(token_embd, blocks, output_norm, output, device);
     tick();
     Ok((config, model))
 }
 
 /// Look up a tensor and check its ggml dims (`[in, out]` for a matrix).
 fn tensor<'a>(file: &'a GgufFile, name: &str, dims: &[usize]) -> Result<&'a TensorInfo, LoadError> {
-    let info = file.tensor(name).ok_or_else(|| LoadError::MissingTensor(name.to_string()))?;
+    let info = file
+        .tensor(name)
+        .ok_or_else(|| LoadError::MissingTensor(name.to_string()))?;
     let expected: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
     if info.dims != expected {
-        return Err(LoadError::ShapeMismatch { name: name.to_string(), expected, found: info.dims.clone() });
+        return Err(LoadError::ShapeMismatch {
+            name: name.to_string(),
+            expected,
+            found: info.dims.clone(),
+        });
     }
     Ok(info)
 }
@@ -105,20 +121,42 @@ fn dense_tensor<B: ToyBackend, const D: usize>(
     Ok(Tensor::from_data(TensorData::new(values, shape), device))
 }
 
-fn norm<B: ToyBackend>(file: &GgufFile, name: &str, c: &ModelConfig, device: &B::Device) -> Result<RmsNorm<B>, LoadError> {
+fn norm<B: ToyBackend>(
+    file: &GgufFile,
+    name: &str,
+    c: &ModelConfig,
+    device: &B::Device,
+) -> Result<RmsNorm<B>, LoadError> {
     let info = tensor(file, name, &[c.d_model])?;
-    let mut norm = RmsNormConfig::new(c.d_model).with_epsilon(c.rms_eps as f64).init(device);
+    let mut norm = RmsNormConfig::new(c.d_model)
+        .with_epsilon(c.rms_eps as f64)
+        .init(device);
     norm.gamma = Param::from_tensor(dense_tensor(file, info, device)?);
     Ok(norm)
 }
 
 /// A weight `[in, out]` (ggml order) as a `QLinear`: Q8_0/Q4_0/Q4_1 stay packed, the rest is f32.
-fn linear<B: ToyBackend>(file: &GgufFile, name: &str, inp: usize, out: usize, device: &B::Device) -> Result<QLinear<B>, LoadError> {
+fn linear<B: ToyBackend>(
+    file: &GgufFile,
+    name: &str,
+    inp: usize,
+    out: usize,
+    device: &B::Device,
+) -> Result<QLinear<B>, LoadError> {
     let info = tensor(file, name, &[inp, out])?;
     Ok(match info.ggml_type {
-        GgmlType::Q8_0 => QLinear::Q8_0(PackedMatrix::from_host(pack_q8_0(file.tensor_data(info), out, inp), device)),
-        GgmlType::Q4_0 => QLinear::Q4_0(PackedMatrix::from_host(pack_q4_0(file.tensor_data(info), out, inp), device)),
-        GgmlType::Q4_1 => QLinear::Q4_1(PackedMatrix::from_host(pack_q4_1(file.tensor_data(info), out, inp), device)),
+        GgmlType::Q8_0 => QLinear::Q8_0(PackedMatrix::from_host(
+            pack_q8_0(file.tensor_data(info), out, inp),
+            device,
+        )),
+        GgmlType::Q4_0 => QLinear::Q4_0(PackedMatrix::from_host(
+            pack_q4_0(file.tensor_data(info), out, inp),
+            device,
+        )),
+        GgmlType::Q4_1 => QLinear::Q4_1(PackedMatrix::from_host(
+            pack_q4_1(file.tensor_data(info), out, inp),
+            device,
+        )),
         _ => QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?)),
     })
 }

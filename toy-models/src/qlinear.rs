@@ -23,10 +23,16 @@ pub struct PackedMatrix<B: Backend> {
 impl<B: Backend> PackedMatrix<B> {
     pub fn from_host(packed: PackedWeight, device: &B::Device) -> Self {
         let per_row = packed.words.len() / packed.rows;
-        let words = Tensor::from_data(TensorData::new(packed.words, [packed.rows, per_row]), (device, DType::U32));
+        let words = Tensor::from_data(
+            TensorData::new(packed.words, [packed.rows, per_row]),
+            (device, DType::U32),
+        );
         let blocks = [packed.rows, packed.cols / 32];
         // Quantized bases are frozen: no gradient, no optimizer state.
-        let frozen = |v: Vec<f32>| Param::from_tensor(Tensor::from_data(TensorData::new(v, blocks), device)).set_require_grad(false);
+        let frozen = |v: Vec<f32>| {
+            Param::from_tensor(Tensor::from_data(TensorData::new(v, blocks), device))
+                .set_require_grad(false)
+        };
         PackedMatrix {
             words: Param::initialized(ParamId::new(), words),
             scales: frozen(packed.scales),
@@ -66,7 +72,12 @@ impl<B: ToyBackend> QLinear<B> {
                 x2.into_primitive().tensor(),
                 p.words.val().into_primitive(),
                 p.scales.val().into_primitive().tensor(),
-                p.mins.as_ref().expect("Q4_1 weights have mins").val().into_primitive().tensor(),
+                p.mins
+                    .as_ref()
+                    .expect("Q4_1 weights have mins")
+                    .val()
+                    .into_primitive()
+                    .tensor(),
             ))),
         };
         let mut out = dims;

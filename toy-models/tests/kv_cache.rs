@@ -24,13 +24,17 @@ fn check<B: ToyBackend>() {
 
     // 5 tokens, then 4, then one at a time.
     let mut cache = model.new_cache();
-    let mut parts = vec![model.forward(tokens(0..5), &mut cache), model.forward(tokens(5..9), &mut cache)];
+    let mut parts = vec![
+        model.forward(tokens(0..5), &mut cache),
+        model.forward(tokens(5..9), &mut cache),
+    ];
     for i in 9..t {
         parts.push(model.forward(tokens(i..i + 1), &mut cache));
     }
     let chunked = Tensor::cat(parts, 1);
     // Same math in another grouping of rows: differences are f32 rounding only.
-    full.into_data().assert_approx_eq::<f32>(&chunked.into_data(), Tolerance::absolute(1e-4));
+    full.into_data()
+        .assert_approx_eq::<f32>(&chunked.into_data(), Tolerance::absolute(1e-4));
 }
 
 #[test]

@@ -6,45 +6,74 @@
 //! where llama.cpp's own top-2 logit margin is below 0.02 (F32) or 0.1 (Q8_0, Q4_1) — there
 //! another correct summation order may pick the other token. We print how far each run matches.
 
-use std::path::PathBuf;
+mod common;
 
 use burn::backend::Flex;
-use serde_json::Value;
 use toy_core::gguf::GgufFile;
 use toy_core::sampling::{Sampler, SamplingParams};
 use toy_models::generate::{GenerateOptions, generate};
 
-fn model_path(kind: &str) -> PathBuf {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models"));
-    let path = cache.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
-    assert!(path.exists(), "{} is missing: run scripts/fetch-smollm2.sh first", path.display());
-    path
-}
-
-fn oracle() -> Value {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/smollm2/greedy.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
 /// Greedy ids for every oracle prompt of `kind`, checked against llama.cpp.
 fn check_greedy(kind: &str, margin_threshold: f64) {
-    let oracle = oracle();
-    let file = GgufFile::open(model_path(kind)).unwrap();
+    let oracle = common::oracle("greedy.json");
+    let file = GgufFile::open(common::smollm2(kind)).unwrap();
     let device = Default::default();
     let (_config, model) = toy_models::load::<Flex>(&file, &device, |_, _| {}).unwrap();
     let mut failures = Vec::new();
-    for (i, case) in oracle["results"][kind].as_array().unwrap().iter().enumerate() {
-        let prompt: Vec<u32> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let expected: Vec<u32> = case["gen_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let margins: Vec<f64> = case["steps"].as_array().unwrap().iter().map(|s| s["margin"].as_f64().unwrap()).collect();
-        let must_match = margins.iter().position(|&m| m < margin_threshold).unwrap_or(expected.len());
-        let options = GenerateOptions { max_new_tokens: expected.len(), stop_at_eog: false };
-        let mut sampler = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
-        let (ids, _) = generate(&model, &prompt, &options, &mut sampler, |_| false, |_| std::ops::ControlFlow::Continue(())).unwrap();
-        let common = ids.iter().zip(&expected).take_while(|(a, b)| a == b).count();
-        eprintln!("{kind} prompt {i}: {common}/{} ids match llama.cpp (required: {must_match})", expected.len());
+    for (i, case) in oracle["results"][kind]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let prompt: Vec<u32> = case["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let expected: Vec<u32> = case["gen_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let margins: Vec<f64> = case["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["margin"].as_f64().unwrap())
+            .collect();
+        let must_match = margins
+            .iter()
+            .position(|&m| m < margin_threshold)
+            .unwrap_or(expected.len());
+        let options = GenerateOptions {
+            max_new_tokens: expected.len(),
+            stop_at_eog: false,
+        };
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        });
+        let (ids, _) = generate(
+            &model,
+            &prompt,
+            &options,
+            &mut sampler,
+            |_| false,
+            |_| std::ops::ControlFlow::Continue(()),
+        )
+        .unwrap();
+        let common = ids
+            .iter()
+            .zip(&expected)
+            .take_while(|(a, b)| a == b)
+            .count();
+        eprintln!(
+            "{kind} prompt {i}: {common}/{} ids match llama.cpp (required: {must_match})",
+            expected.len()
+        );
         if common < must_match {
             failures.push(format!("prompt {i}: first mismatch at step {common} (required {must_match}): got {ids:?}, expected {expected:?}"));
         }

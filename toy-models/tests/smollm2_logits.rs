@@ -10,30 +10,28 @@
 //! - F32: 2e-4. Dense f32 matmuls use burn's gemm, whose summation order is not ggml's.
 //!   Measured ≤ 4.8e-5.
 
-use std::path::PathBuf;
+mod common;
 
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
 use toy_core::gguf::GgufFile;
 
-fn model_path(kind: &str) -> PathBuf {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models"));
-    let path = cache.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
-    assert!(path.exists(), "{} is missing: run scripts/fetch-smollm2.sh first", path.display());
-    path
-}
-
 fn ids(v: &Value) -> Vec<i64> {
-    v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
 }
 
 /// All-position logits `[t][vocab]` of one forward pass over `ids`.
 fn logits(model: &toy_models::Transformer<Flex>, ids: &[i64]) -> Vec<Vec<f32>> {
     let n = ids.len();
-    let tokens = Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids.to_vec(), [1, n]), &Default::default());
+    let tokens = Tensor::<Flex, 2, Int>::from_data(
+        TensorData::new(ids.to_vec(), [1, n]),
+        &Default::default(),
+    );
     let out = model.forward(tokens, &mut model.new_cache());
     let flat = out.into_data().into_vec::<f32>().unwrap();
     flat.chunks(flat.len() / n).map(|c| c.to_vec()).collect()
@@ -41,32 +39,43 @@ fn logits(model: &toy_models::Transformer<Flex>, ids: &[i64]) -> Vec<Vec<f32>> {
 
 fn logsumexp(row: &[f32]) -> f64 {
     let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-    max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln()
+    max + row
+        .iter()
+        .map(|&v| (v as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
 }
 
 fn check(kind: &str, tol: f64) {
-    let oracle: Value = serde_json::from_str(
-        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/smollm2/logits.json")).unwrap(),
-    )
-    .unwrap();
+    let oracle = common::oracle("logits.json");
     let oracle = &oracle["models"][kind];
-    let file = GgufFile::open(model_path(kind)).unwrap();
+    let file = GgufFile::open(common::smollm2(kind)).unwrap();
     let (_, model) = toy_models::load::<Flex>(&file, &Default::default(), |_, _| {}).unwrap();
     let mut worst = 0.0f64;
     let mut track = |what: &str, got: f64, want: f64| {
         let err = (got - want).abs();
         worst = worst.max(err);
-        assert!(err <= tol, "{kind} {what}: got {got}, llama.cpp {want} (|diff| {err} > {tol})");
+        assert!(
+            err <= tol,
+            "{kind} {what}: got {got}, llama.cpp {want} (|diff| {err} > {tol})"
+        );
     };
 
     let cap = &oracle["capital_last_top20"];
     let rows = logits(&model, &ids(&cap["ids"]));
     let last = rows.last().unwrap();
     for pair in cap["last"]["top"].as_array().unwrap() {
-        let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+        let (id, want) = (
+            pair[0].as_u64().unwrap() as usize,
+            pair[1].as_f64().unwrap(),
+        );
         track(&format!("capital logit[{id}]"), last[id] as f64, want);
     }
-    track("capital logsumexp", logsumexp(last), cap["last"]["logsumexp"].as_f64().unwrap());
+    track(
+        "capital logsumexp",
+        logsumexp(last),
+        cap["last"]["logsumexp"].as_f64().unwrap(),
+    );
 
     let sixteen = &oracle["sixteen_per_position_top5"];
     let rows = logits(&model, &ids(&sixteen["ids"]));
@@ -74,24 +83,47 @@ fn check(kind: &str, tol: f64) {
         let pos = p["pos"].as_u64().unwrap() as usize;
         for pair in p["top"].as_array().unwrap() {
             let id = pair[0].as_u64().unwrap() as usize;
-            track(&format!("pos {pos} logit[{id}]"), rows[pos][id] as f64, pair[1].as_f64().unwrap());
+            track(
+                &format!("pos {pos} logit[{id}]"),
+                rows[pos][id] as f64,
+                pair[1].as_f64().unwrap(),
+            );
         }
-        track(&format!("pos {pos} logsumexp"), logsumexp(&rows[pos]), p["logsumexp"].as_f64().unwrap());
+        track(
+            &format!("pos {pos} logsumexp"),
+            logsumexp(&rows[pos]),
+            p["logsumexp"].as_f64().unwrap(),
+        );
         if let Some(next) = p["next_token"].as_u64() {
             let got = rows[pos][next as usize] as f64 - logsumexp(&rows[pos]);
-            track(&format!("pos {pos} next logprob"), got, p["next_logprob"].as_f64().unwrap());
+            track(
+                &format!("pos {pos} next logprob"),
+                got,
+                p["next_logprob"].as_f64().unwrap(),
+            );
         }
     }
 
     // Perplexity as llama.cpp's oracle measured it: one 512-token window, every position after
     // the first scored.
     let ppl = &oracle["ppl"];
-    let tokens: Vec<i64> = ids(&ppl["ids"]).into_iter().take(ppl["n_tokens_used"].as_u64().unwrap() as usize).collect();
+    let tokens: Vec<i64> = ids(&ppl["ids"])
+        .into_iter()
+        .take(ppl["n_tokens_used"].as_u64().unwrap() as usize)
+        .collect();
     let rows = logits(&model, &tokens);
-    let nll: f64 = (0..tokens.len() - 1).map(|i| logsumexp(&rows[i]) - rows[i][tokens[i + 1] as usize] as f64).sum::<f64>()
+    let nll: f64 = (0..tokens.len() - 1)
+        .map(|i| logsumexp(&rows[i]) - rows[i][tokens[i + 1] as usize] as f64)
+        .sum::<f64>()
         / (tokens.len() - 1) as f64;
-    track("mean NLL (512 tokens)", nll, ppl["mean_nll"].as_f64().unwrap());
-    eprintln!("{kind}: largest deviation from llama.cpp {worst:.2e} (tolerance {tol:.0e}); mean NLL {nll:.6}");
+    track(
+        "mean NLL (512 tokens)",
+        nll,
+        ppl["mean_nll"].as_f64().unwrap(),
+    );
+    eprintln!(
+        "{kind}: largest deviation from llama.cpp {worst:.2e} (tolerance {tol:.0e}); mean NLL {nll:.6}"
+    );
 }
 
 #[test]

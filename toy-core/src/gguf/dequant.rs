@@ -110,7 +110,7 @@ fn n_values(ty: GgmlType, bytes: &[u8]) -> Result<usize> {
         return Err(unsupported(ty));
     }
     let (block, size) = (ty.block_size(), ty.type_size());
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(GgufError::InvalidArgument(format!(
             "{} bytes of {ty} data are not a whole number of {size}-byte blocks",
             bytes.len()

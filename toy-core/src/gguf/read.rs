@@ -353,7 +353,7 @@ pub(super) fn check_tensor_shape(t: &TensorInfo) -> Result<()> {
     // Checked apart from the size so that an overflowing row is not reported as a block-size
     // mismatch (`row_bytes` returns None for both).
     let block = t.ggml_type.block_size() as u64;
-    if t.dims[0] % block != 0 {
+    if !t.dims[0].is_multiple_of(block) {
         return Err(bad(format!(
             "row length {} is not a multiple of the {} block size {block}",
             t.dims[0], t.ggml_type
