@@ -108,31 +108,17 @@ fn infer_json_greedy_matches_llama_cpp() {
 
 #[test]
 fn infer_streams_text_and_stops_at_eog() {
-    // Greedy SmolLM2 on this prompt ends its answer with <|im_end|> at step 29 (oracle
-    // first_eog_index): without --ignore-eos generation stops there.
-    let case = &oracle("greedy.json")["results"]["F32"][0];
-    let out = toy(&[
-        "infer",
-        &model("Q8_0"),
-        "-p",
-        "The capital of France is",
-        "-n",
-        "40",
-        "--temperature",
-        "0",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // Greedy on the original Q4_1 file, llama.cpp ends this answer with <|im_end|> at step 29
+    // (oracle first_eog_index): without --ignore-eos, toy must print exactly the text before it.
+    let case = &oracle("greedy.json")["results"]["Q4_1"][0];
+    assert_eq!(case["first_eog_index"], 29);
+    let prompt = case["prompt"].as_str().unwrap();
+    let out = toy(&["infer", &model("Q4_1"), "-p", prompt, "-n", "40", "--temperature", "0"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(
-        text.trim_end(),
-        case["gen_text_until_eog"].as_str().unwrap().trim_end()
-    );
+    assert_eq!(text.trim_end(), case["gen_text_until_eog"].as_str().unwrap().trim_end());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("tok/s"), "speed line missing: {stderr}");
+    assert!(stderr.contains("generation: 29 tokens"), "speed line: {stderr}");
 }
 
 #[test]
