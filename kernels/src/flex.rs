@@ -158,7 +158,30 @@ impl ToyBackend for Flex {
     }
 }
 
+/// Defines `$name`, which runs `$imp` compiled with FMA instructions when the CPU has them.
+/// `f32::mul_add` is an exact but slow library call unless FMA is enabled at compile time; an
+/// FMA is exactly rounded either way, so both builds give the same bits.
+macro_rules! with_fma {
+    (fn $name:ident = $imp:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "fma")]
+                unsafe fn fast($($arg: $ty),*) $(-> $ret)? {
+                    $imp($($arg),*)
+                }
+                if std::is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU has the feature `fast` is compiled for.
+                    return unsafe { fast($($arg),*) };
+                }
+            }
+            $imp($($arg),*)
+        }
+    };
+}
+
 /// GCC's `_mm512_reduce_add_ps`: halves (8 + 8), quarters (4 + 4), then (0+2)+(1+3).
+#[inline(always)]
 fn reduce_add16(v: &[f32; 16]) -> f32 {
     let t3: [f32; 8] = std::array::from_fn(|i| v[8 + i] + v[i]);
     let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
@@ -168,6 +191,7 @@ fn reduce_add16(v: &[f32; 16]) -> f32 {
 /// ggml's `ggml_vec_dot_f32` (AVX-512): four 16-lane accumulators over steps of 64 with FMA,
 /// reduced pairwise (0+2, 1+3, then 0+1) and horizontally; the tail is summed serially.
 /// `x(i)`/`y(i)` give the operands so that strided rows need no copy.
+#[inline(always)]
 fn vec_dot_f32(n: usize, x: impl Fn(usize) -> f32, y: impl Fn(usize) -> f32) -> f32 {
     let mut acc = [[0.0f32; 16]; 4];
     let np = n / 64 * 64;
@@ -214,7 +238,6 @@ fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &AttentionOp
         tk,
     } = *s;
     let group = h / h_kv;
-    let n_pad = tk.div_ceil(256) * 256;
     let mask = reference::causal_mask(tq, tk, o);
     let mut out = vec![0.0f32; b * h * tq * d];
     out.par_chunks_mut(tq * d)
@@ -223,47 +246,67 @@ fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &AttentionOp
             let (bi, hi) = (bh / h, bh % h);
             let kv = (bi * h_kv + hi / group) * tk * d;
             let (kh, vh) = (&k[kv..kv + tk * d], &v[kv..kv + tk * d]);
-            let mut p = vec![0.0f32; n_pad];
-            for i in 0..tq {
-                let qrow = &q[(bh * tq + i) * d..][..d];
-                // Scores, scaled and masked, as ggml_soft_max sees its input row.
-                let mut max = f32::NEG_INFINITY;
-                for j in 0..n_pad {
-                    p[j] = if j < tk && !mask[i * tk + j] {
-                        vec_dot_f32(d, |c| kh[j * d + c], |c| qrow[c]) * o.scale
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                    max = max.max(p[j]);
-                }
-                let mut sum = 0.0f64;
-                for chunk in p.chunks_exact_mut(16) {
-                    for e in chunk.iter_mut() {
-                        *e = ggml_expf(*e - max);
-                    }
-                    sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
-                }
-                let inv = (1.0 / sum) as f32;
-                p.iter_mut().for_each(|e| *e *= inv);
-                let orow = &mut out[i * d..(i + 1) * d];
-                for (c, o) in orow.iter_mut().enumerate() {
-                    // Padding positions hold probability 0: they add nothing to any lane.
-                    let vcol = |j: usize| if j < tk { vh[j * d + c] } else { 0.0 };
-                    *o = if tq == 1 {
-                        vec_dot_f32(n_pad, vcol, |j| p[j])
-                    } else {
-                        let mut acc = [0.0f32; 16];
-                        for l in (0..n_pad).step_by(16) {
-                            for (lane, a) in acc.iter_mut().enumerate() {
-                                *a = vcol(l + lane).mul_add(p[l + lane], *a);
-                            }
-                        }
-                        reduce_add16(&acc)
-                    };
-                }
-            }
+            let qh = &q[bh * tq * d..(bh + 1) * tq * d];
+            attend_head(qh, kh, vh, &mask, out, [tq, tk, d], o.scale);
         });
     out
+}
+
+with_fma!(fn attend_head = attend_head_impl(q: &[f32], k: &[f32], v: &[f32], mask: &[bool], out: &mut [f32], dims: [usize; 3], scale: f32));
+
+/// One query head against its K/V head (see `attention_ggml`).
+#[inline(always)]
+fn attend_head_impl(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[bool],
+    out: &mut [f32],
+    [tq, tk, d]: [usize; 3],
+    scale: f32,
+) {
+    // llama.cpp pads the KV length to 256 with masked positions: their probability is exactly 0,
+    // so past the last 16-lane (softmax, tinyBLAS) or 64-element (vec_dot) block holding a real
+    // key they only add zeros, and we stop there.
+    let n_pad = tk.div_ceil(64) * 64;
+    let mut p = vec![0.0f32; n_pad];
+    for i in 0..tq {
+        let qrow = &q[i * d..(i + 1) * d];
+        // Scores, scaled and masked, as ggml_soft_max sees its input row.
+        let mut max = f32::NEG_INFINITY;
+        for (j, pj) in p.iter_mut().enumerate() {
+            *pj = if j < tk && !mask[i * tk + j] {
+                vec_dot_f32(d, |c| k[j * d + c], |c| qrow[c]) * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+            max = max.max(*pj);
+        }
+        let mut sum = 0.0f64;
+        for chunk in p.chunks_exact_mut(16) {
+            for e in chunk.iter_mut() {
+                *e = ggml_expf(*e - max);
+            }
+            sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        p.iter_mut().for_each(|e| *e *= inv);
+        for (c, o) in out[i * d..(i + 1) * d].iter_mut().enumerate() {
+            // Padding positions hold probability 0: they add nothing to any lane.
+            let vcol = |j: usize| if j < tk { v[j * d + c] } else { 0.0 };
+            *o = if tq == 1 {
+                vec_dot_f32(n_pad, vcol, |j| p[j])
+            } else {
+                let mut acc = [0.0f32; 16];
+                for l in (0..n_pad).step_by(16) {
+                    for (lane, a) in acc.iter_mut().enumerate() {
+                        *a = vcol(l + lane).mul_add(p[l + lane], *a);
+                    }
+                }
+                reduce_add16(&acc)
+            };
+        }
+    }
 }
 
 /// RoPE computed as ggml does. When `inv_freqs` is a geometric sequence `s^i` (plain RoPE, as the
@@ -291,28 +334,37 @@ fn rope_ggml(
         }
     }
     let mut out = x.to_vec();
-    out.par_chunks_mut(t * d).take(b * h).for_each(|head| {
-        for (ti, row) in head.chunks_mut(d).enumerate() {
-            for i in 0..half {
-                let (c, s) = cache[ti * half + i];
-                let (i0, i1) = match layout {
-                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-                    RopeLayout::Neox => (i, i + half),
-                };
-                let (x0, x1) = (row[i0], row[i1]);
-                // GCC contracts ggml's `x0*cos - x1*sin` / `x0*sin + x1*cos` into these FMAs
-                // (read off the disassembly of llama.cpp's x86-64 build).
-                row[i0] = x0.mul_add(c, -(x1 * s));
-                row[i1] = x0.mul_add(s, x1 * c);
-            }
-        }
-    });
+    out.par_chunks_mut(t * d)
+        .take(b * h)
+        .for_each(|head| rope_head(head, &cache, d, layout));
     out
+}
+
+with_fma!(fn rope_head = rope_head_impl(head: &mut [f32], cache: &[(f32, f32)], d: usize, layout: RopeLayout));
+
+/// Rotate every row of one head; `cache` holds (cos, sin) per row and pair.
+#[inline(always)]
+fn rope_head_impl(head: &mut [f32], cache: &[(f32, f32)], d: usize, layout: RopeLayout) {
+    let half = cache.len() / (head.len() / d);
+    for (row, cs) in head.chunks_mut(d).zip(cache.chunks(half)) {
+        for (i, &(c, s)) in cs.iter().enumerate() {
+            let (i0, i1) = match layout {
+                RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                RopeLayout::Neox => (i, i + half),
+            };
+            let (x0, x1) = (row[i0], row[i1]);
+            // GCC contracts ggml's `x0*cos - x1*sin` / `x0*sin + x1*cos` into these FMAs
+            // (read off the disassembly of llama.cpp's x86-64 build).
+            row[i0] = x0.mul_add(c, -(x1 * s));
+            row[i1] = x0.mul_add(s, x1 * c);
+        }
+    }
 }
 
 /// ggml's vectorized `expf` (`ggml_v_expf`, AVX-512 flavour) in scalar form: a degree-5
 /// polynomial on the reduced argument, scaled by `2^n` in one rounding. Used where llama.cpp
 /// uses it (SiLU, softmax) so that our activations round exactly like its.
+#[inline(always)]
 fn ggml_expf(x: f32) -> f32 {
     let c = f32::from_bits;
     let r = c(0x4b40_0000); // 0x1.8p23: adding it rounds to an integer
@@ -328,12 +380,16 @@ fn ggml_expf(x: f32) -> f32 {
         return if n <= 0.0 { 0.0 } else { f32::INFINITY };
     }
     // `_mm512_scalef_ps(j, n)`: j · 2^n, exact in f64 for |n| <= 192, then one rounding.
-    (j as f64 * 2f64.powi(n as i32)) as f32
+    let pow2 = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (j as f64 * pow2) as f32
 }
+
+with_fma!(fn swiglu_row = swiglu_row_impl(g: &[f32], u: &[f32], y: &mut [f32]));
 
 /// ggml's `swiglu`: `silu(g) * u` with `silu(x) = x / (1 + expf(-x))`, 16 lanes at a time with the
 /// vector `expf`, the tail (row length not a multiple of 16) with libm's `expf`.
-fn swiglu_row(g: &[f32], u: &[f32], y: &mut [f32]) {
+#[inline(always)]
+fn swiglu_row_impl(g: &[f32], u: &[f32], y: &mut [f32]) {
     let vector = g.len() / 16 * 16;
     for i in 0..g.len() {
         let x = g[i];
@@ -529,33 +585,17 @@ mod avx2 {
     }
 }
 
-/// One output element, with the fastest implementation this CPU has.
-fn dot(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
-    if std::env::var_os("TOY_DOT_SEQ").is_some() {
-        let bb = format.block_bytes();
-        let mut sum = 0.0f32;
-        for (b, (xq, wq)) in x
-            .quants
-            .chunks_exact(BLOCK)
-            .zip(w.chunks_exact(bb))
-            .enumerate()
-        {
-            let sumi: i32 = (0..32)
-                .map(|i| weight_quant(format, wq, i) * xq[i] as i32)
-                .sum();
-            sum += sumi as f32 * (w_scales[b] * x.scales[b]);
-            if format == Format::Q4_1 {
-                sum += w_mins[b] * x.sums[b];
-            }
-        }
-        return sum;
-    }
+/// One output element's dot product.
+type DotFn = fn(Format, &QuantRow, &[u8], &[f32], &[f32]) -> f32;
+
+/// The fastest dot product this CPU has (chosen once per matmul, not per element).
+fn dot_impl() -> DotFn {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features the function is compiled for; slices hold whole blocks.
-        return unsafe { avx2::dot(format, x, w, w_scales, w_mins) };
+        // SAFETY: the CPU has the features `avx2::dot` is compiled for; callers pass whole blocks.
+        return |format, x, w, s, m| unsafe { avx2::dot(format, x, w, s, m) };
     }
-    dot_scalar(format, x, w, w_scales, w_mins)
+    dot_scalar
 }
 
 /// Host views of the operands, when they are in the layout the native loops need.
@@ -621,6 +661,7 @@ impl Operands {
             .map(|t| t.as_slice::<f32>().expect("contiguous f32"))
             .unwrap_or(&[]);
         let blocks = k / BLOCK;
+        let dot = dot_impl();
         // Output column j (weight row j) for every activation row, in parallel over groups of
         // columns (one column is too little work to hand to a thread).
         const COLS: usize = 16;
@@ -689,7 +730,10 @@ mod tests {
                     .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
                     .collect();
                 let want = dot_scalar(format, &row, &w, &s, &mn);
-                assert_eq!(dot(format, &row, &w, &s, &mn).to_bits(), want.to_bits());
+                assert_eq!(
+                    dot_impl()(format, &row, &w, &s, &mn).to_bits(),
+                    want.to_bits()
+                );
             }
         }
     }
