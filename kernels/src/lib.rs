@@ -14,10 +14,11 @@ pub mod flex;
 pub mod quant;
 pub mod reference;
 
-use burn::backend::NdArray;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
+use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
@@ -118,3 +119,8 @@ where
     NdArrayTensor: From<SharedArray<I>>,
 {
 }
+
+/// Training runs on `Autodiff<B>`: every op takes its reference body (plain burn tensor ops), so
+/// burn records and differentiates it like any other tensor code. The inner backend's native
+/// overrides (Flex) do not apply under autodiff until an op gets a custom `Backward`.
+impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {}
