@@ -113,12 +113,31 @@ fn infer_streams_text_and_stops_at_eog() {
     let case = &oracle("greedy.json")["results"]["Q4_1"][0];
     assert_eq!(case["first_eog_index"], 29);
     let prompt = case["prompt"].as_str().unwrap();
-    let out = toy(&["infer", &model("Q4_1"), "-p", prompt, "-n", "40", "--temperature", "0"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = toy(&[
+        "infer",
+        &model("Q4_1"),
+        "-p",
+        prompt,
+        "-n",
+        "40",
+        "--temperature",
+        "0",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(text.trim_end(), case["gen_text_until_eog"].as_str().unwrap().trim_end());
+    assert_eq!(
+        text.trim_end(),
+        case["gen_text_until_eog"].as_str().unwrap().trim_end()
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("generation: 29 tokens"), "speed line: {stderr}");
+    assert!(
+        stderr.contains("generation: 29 tokens"),
+        "speed line: {stderr}"
+    );
 }
 
 #[test]
@@ -334,6 +353,26 @@ fn missing_tensor_is_a_clean_error() {
         &toy(&["infer", p.to_str().unwrap(), "-p", "hi"]),
         "blk.7.ffn_up.weight",
     );
+    std::fs::remove_file(&p).unwrap();
+}
+
+#[test]
+fn shape_mismatch_is_a_clean_error() {
+    // blk.3.attn_q.weight with 64 outputs instead of 576: the loader must name it and both shapes.
+    let file = GgufFile::open(model("Q4_1")).unwrap();
+    let mut w = GgufWriter::from_file(&file);
+    for t in &file.tensors {
+        if t.name == "blk.3.attn_q.weight" {
+            w.add_tensor(&t.name, &[576, 64], GgmlType::F32, vec![0u8; 576 * 64 * 4]).unwrap();
+        } else {
+            w.copy_tensor(&file, t).unwrap();
+        }
+    }
+    let p = scratch("shape-mismatch.gguf");
+    w.write_atomic(&p).unwrap();
+    let out = toy(&["infer", p.to_str().unwrap(), "-p", "hi"]);
+    assert_clean_error(&out, "blk.3.attn_q.weight");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("[576, 64]"), "should show the shape found");
     std::fs::remove_file(&p).unwrap();
 }
 
