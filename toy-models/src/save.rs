@@ -1,0 +1,186 @@
+//! Write a [`Transformer`] as a standard llama GGUF: what `toy train` checkpoints are, and what
+//! [`load`](crate::load::load), `toy infer` and llama.cpp read back.
+//!
+//! The file has `general.architecture = llama`, every `llama.*` key llama.cpp needs to build the
+//! model, the tokenizer metadata of the caller's choosing (copied from the tokenizer's own GGUF),
+//! and F32 tensors with llama.cpp's names and layouts: a PyTorch `[out, in]` weight is a GGUF
+//! tensor with dims `[in, out]` and the same row-major bytes. Weights are written as they are:
+//! the model computes RoPE on interleaved pairs, which is the layout GGUF `llama` files use (the
+//! HF→GGUF converter permutes Q/K into it), so no permutation is needed.
+
+use std::path::Path;
+
+use burn::module::Param;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use toy_core::gguf::{GgmlType, GgufError, GgufWriter, Value};
+
+use crate::llama::{LlamaConfig, Transformer};
+use crate::qlinear::QLinear;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(
+        "tensor {name} is {format}: only float weights can be saved (train or load an F32/F16 model, or use `toy convert` to change the type of a file)"
+    )]
+    Quantized { name: String, format: &'static str },
+    #[error("tensor {name} has shape {found:?}, but the config says {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("metadata key {0:?} is written by the model saver; do not pass it as extra metadata")]
+    ReservedKey(String),
+    #[error("cannot read tensor {name} back from the device: {reason}")]
+    Readback { name: String, reason: String },
+}
+
+/// The GGUF writer holding `model`: `llama.*` metadata from `config`, then `extra` metadata in
+/// the given order (typically every `tokenizer.*` key of the tokenizer's GGUF, plus
+/// `general.name`), then the tensors.
+///
+/// `extra` may not set `general.architecture` or `llama.*` keys: those describe the tensors and
+/// come from `config` only.
+pub fn to_gguf<B: Backend>(
+    model: &Transformer<B>,
+    config: &LlamaConfig,
+    extra: &[(String, Value)],
+) -> Result<GgufWriter<'static>, SaveError> {
+    let mut w = GgufWriter::new();
+    w.set("general.architecture", Value::String("llama".into()))?;
+    for (key, value) in extra {
+        if key == "general.architecture" || key.starts_with("llama.") {
+            return Err(SaveError::ReservedKey(key.clone()));
+        }
+        // `general.*` keys go before the architecture keys, as gguf-py orders them; the rest
+        // (tokenizer) after.
+        if key.starts_with("general.") {
+            w.set(key.clone(), value.clone())?;
+        }
+    }
+    // llama.cpp's ALL_F32 file type: every weight is F32.
+    w.set("general.file_type", Value::U32(0))?;
+    let c = config;
+    let u32_of = |v: usize| Value::U32(v as u32);
+    w.set("llama.vocab_size", u32_of(c.vocab_size))?;
+    w.set("llama.context_length", u32_of(c.context_length))?;
+    w.set("llama.embedding_length", u32_of(c.d_model))?;
+    w.set("llama.block_count", u32_of(c.n_layer))?;
+    w.set("llama.feed_forward_length", u32_of(c.d_ff))?;
+    w.set("llama.rope.dimension_count", u32_of(rope_dim(c)))?;
+    w.set("llama.attention.head_count", u32_of(c.n_head))?;
+    w.set("llama.attention.head_count_kv", u32_of(c.n_head_kv))?;
+    if c.head_dim * c.n_head != c.d_model {
+        // Only needed when it differs from embedding_length / head_count (the default).
+        w.set("llama.attention.key_length", u32_of(c.head_dim))?;
+        w.set("llama.attention.value_length", u32_of(c.head_dim))?;
+    }
+    w.set(
+        "llama.attention.layer_norm_rms_epsilon",
+        Value::F32(c.rms_eps as f32),
+    )?;
+    w.set("llama.rope.freq_base", Value::F32(c.rope_theta))?;
+    for (key, value) in extra {
+        if !key.starts_with("general.") {
+            w.set(key.clone(), value.clone())?;
+        }
+    }
+
+    let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
+    add(
+        &mut w,
+        "token_embd.weight",
+        &model.token_embd.weight,
+        &[c.vocab_size, d],
+    )?;
+    add(&mut w, "output_norm.weight", &model.output_norm.gamma, &[d])?;
+    if !c.tied_embeddings {
+        add_linear(&mut w, "output.weight", &model.output, &[c.vocab_size, d])?;
+    }
+    for (i, b) in model.blocks.iter().enumerate() {
+        let name = |t: &str| format!("blk.{i}.{t}.weight");
+        add(&mut w, &name("attn_norm"), &b.attn_norm.gamma, &[d])?;
+        add_linear(&mut w, &name("attn_q"), &b.attn.wq, &[qdim, d])?;
+        add_linear(&mut w, &name("attn_k"), &b.attn.wk, &[kvdim, d])?;
+        add_linear(&mut w, &name("attn_v"), &b.attn.wv, &[kvdim, d])?;
+        add_linear(&mut w, &name("attn_output"), &b.attn.wo, &[d, qdim])?;
+        add(&mut w, &name("ffn_norm"), &b.ffn_norm.gamma, &[d])?;
+        add_linear(&mut w, &name("ffn_gate"), &b.mlp.gate, &[c.d_ff, d])?;
+        add_linear(&mut w, &name("ffn_up"), &b.mlp.up, &[c.d_ff, d])?;
+        add_linear(&mut w, &name("ffn_down"), &b.mlp.down, &[d, c.d_ff])?;
+    }
+    Ok(w)
+}
+
+/// Write `model` to `path` atomically (a temporary file in the same directory, flushed, then
+/// renamed): a reader, or a run killed mid-write, never sees a partial file. Returns the bytes
+/// written. See [`to_gguf`] for `extra`.
+pub fn save<B: Backend>(
+    model: &Transformer<B>,
+    config: &LlamaConfig,
+    extra: &[(String, Value)],
+    path: impl AsRef<Path>,
+) -> Result<u64, SaveError> {
+    Ok(to_gguf(model, config, extra)?.write_atomic(path)?)
+}
+
+fn rope_dim(c: &LlamaConfig) -> usize {
+    if c.rope_dim == 0 {
+        c.head_dim
+    } else {
+        c.rope_dim
+    }
+}
+
+fn add_linear<B: Backend>(
+    w: &mut GgufWriter<'static>,
+    name: &str,
+    linear: &QLinear<B>,
+    shape: &[usize; 2],
+) -> Result<(), SaveError> {
+    let quantized = |format| {
+        Err(SaveError::Quantized {
+            name: name.to_string(),
+            format,
+        })
+    };
+    match linear {
+        QLinear::Dense(p) => add(w, name, p, shape),
+        QLinear::Q8_0(_) => quantized("Q8_0"),
+        QLinear::Q4_0(_) => quantized("Q4_0"),
+        QLinear::Q4_1(_) => quantized("Q4_1"),
+    }
+}
+
+/// Add a float tensor of PyTorch shape `shape` as F32 with ggml dims (the shape reversed).
+fn add<B: Backend, const D: usize>(
+    w: &mut GgufWriter<'static>,
+    name: &str,
+    param: &Param<Tensor<B, D>>,
+    shape: &[usize; D],
+) -> Result<(), SaveError> {
+    let t = param.val();
+    let found = t.dims().to_vec();
+    if found != shape {
+        return Err(SaveError::Shape {
+            name: name.to_string(),
+            expected: shape.to_vec(),
+            found,
+        });
+    }
+    let values = t
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| SaveError::Readback {
+            name: name.to_string(),
+            reason: format!("{e:?}"),
+        })?;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+    w.add_tensor(name, &dims, GgmlType::F32, bytes)?;
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! A saved model is a GGUF that toy's loader reads back to the same model: same config, same
+//! logits to the bit (F32 weights are written as they are), and the extra metadata is kept.
+
+use std::path::PathBuf;
+
+use burn::backend::Flex;
+use burn::tensor::{Int, Tensor, TensorData};
+use toy_core::gguf::{GgufFile, Value};
+use toy_models::{LlamaConfig, SaveError, Transformer, load, save};
+
+fn temp_path(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("toy-save-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn logits(model: &Transformer<Flex>, ids: &[i64]) -> Vec<f32> {
+    let device = Default::default();
+    let tokens =
+        Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), &device);
+    model
+        .forward(tokens, &mut model.new_cache())
+        .into_data()
+        .into_vec::<f32>()
+        .unwrap()
+}
+
+fn round_trip(config: LlamaConfig, file_name: &str) {
+    let device = Default::default();
+    <Flex as burn::tensor::backend::Backend>::seed(&device, 3);
+    let model: Transformer<Flex> = config.init(&device);
+    let extra = vec![
+        (
+            "general.name".to_string(),
+            Value::String("round trip".into()),
+        ),
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gpt2".into()),
+        ),
+    ];
+    let path = temp_path(file_name);
+    save(&model, &config, &extra, &path).unwrap();
+
+    let file = GgufFile::open(&path).unwrap();
+    assert_eq!(file.architecture().unwrap(), "llama");
+    assert_eq!(file.get_str("general.name").unwrap(), Some("round trip"));
+    assert_eq!(file.get_str("tokenizer.ggml.model").unwrap(), Some("gpt2"));
+    let (loaded_config, loaded) = load::<Flex>(&file, &device, |_, _| {}).unwrap();
+    assert_eq!(loaded_config.n_layer, config.n_layer);
+    assert_eq!(loaded_config.d_model, config.d_model);
+    assert_eq!(loaded_config.n_head, config.n_head);
+    assert_eq!(loaded_config.n_head_kv, config.n_head_kv);
+    assert_eq!(loaded_config.head_dim, config.head_dim);
+    assert_eq!(loaded_config.d_ff, config.d_ff);
+    assert_eq!(loaded_config.vocab_size, config.vocab_size);
+    assert_eq!(loaded_config.context_length, config.context_length);
+    assert_eq!(loaded_config.rope_theta, config.rope_theta);
+    assert_eq!(loaded_config.rms_eps, config.rms_eps as f32);
+    assert_eq!(loaded_config.tied_embeddings, config.tied_embeddings);
+
+    let ids = [0i64, 5, 17, 3, 9, 30, 2, 11];
+    let before = logits(&model, &ids);
+    let after = logits(&loaded, &ids);
+    assert_eq!(before.len(), ids.len() * config.vocab_size);
+    assert!(before == after, "logits changed after save + load");
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn save_then_load_gives_identical_logits_untied() {
+    round_trip(
+        LlamaConfig::new(2, 32, 4, 2, 8, 48, 37, 64)
+            .with_rope_theta(5000.0)
+            .with_rms_eps(1e-6)
+            .with_tied_embeddings(false),
+        "untied.gguf",
+    );
+}
+
+#[test]
+fn save_then_load_gives_identical_logits_tied_and_wide_heads() {
+    // head_dim * n_head != d_model: the file needs llama.attention.key_length.
+    let config = LlamaConfig::new(1, 24, 2, 1, 16, 40, 31, 32).with_tied_embeddings(true);
+    let device = Default::default();
+    let model: Transformer<Flex> = config.init(&device);
+    // A tied model computes its output with token_embd: make the output head that copy.
+    let model = Transformer {
+        output: toy_models::QLinear::Dense(burn::module::Param::from_tensor(
+            model.token_embd.weight.val(),
+        )),
+        ..model
+    };
+    let path = temp_path("tied.gguf");
+    save(&model, &config, &[], &path).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    assert!(file.tensor("output.weight").is_none());
+    assert_eq!(
+        file.get_u64("llama.attention.key_length").unwrap(),
+        Some(16)
+    );
+    let (_, loaded) = load::<Flex>(&file, &device, |_, _| {}).unwrap();
+    let ids = [1i64, 2, 3, 4, 30];
+    assert!(logits(&model, &ids) == logits(&loaded, &ids));
+    std::fs::remove_file(&path).unwrap();
+    round_trip(config, "tied-init.gguf");
+}
+
+#[test]
+fn save_refuses_reserved_metadata() {
+    let config = LlamaConfig::new(1, 16, 2, 2, 8, 16, 10, 16);
+    let model: Transformer<Flex> = config.init(&Default::default());
+    let extra = vec![("llama.block_count".to_string(), Value::U32(7))];
+    let err = save(&model, &config, &extra, temp_path("never.gguf")).unwrap_err();
+    assert!(matches!(err, SaveError::ReservedKey(_)), "{err}");
+    assert!(!temp_path("never.gguf").exists());
+}
