@@ -555,47 +555,53 @@ mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
     }
 
-    /// One output element; bit-identical to `dot_scalar`.
+    /// Four output elements — four weight rows against one activation row — with independent
+    /// accumulators, so one chain's FMA latency does not stall the others. Each is bit-identical
+    /// to `dot_scalar`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot(
+    pub(super) unsafe fn dot4(
         format: Format,
         x: &QuantRow,
-        w: &[u8],
-        w_scales: &[f32],
-        w_mins: &[f32],
-    ) -> f32 {
+        w: [&[u8]; 4],
+        s: [&[f32]; 4],
+        m: [&[f32]; 4],
+    ) -> [f32; 4] {
         unsafe {
             let bb = format.block_bytes();
-            let mut acc = _mm256_setzero_ps();
-            let mut mins = 0.0f32;
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut mins = [0.0f32; 4];
             for b in 0..x.scales.len() {
-                let d = _mm256_set1_ps(w_scales[b] * x.scales[b]);
-                let wq = load_weights(format, &w[b * bb..]);
                 let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK) as *const __m256i);
-                let q = _mm256_cvtepi32_ps(lane_sums(format, wq, xq));
-                acc = _mm256_fmadd_ps(d, q, acc);
-                if format == Format::Q4_1 {
-                    mins = w_mins[b].mul_add(x.sums[b], mins);
+                for r in 0..4 {
+                    let d = _mm256_set1_ps(s[r][b] * x.scales[b]);
+                    let wq = load_weights(format, &w[r][b * bb..]);
+                    let q = _mm256_cvtepi32_ps(lane_sums(format, wq, xq));
+                    acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+                    if format == Format::Q4_1 {
+                        mins[r] = m[r][b].mul_add(x.sums[b], mins[r]);
+                    }
                 }
             }
-            let mut lanes = [0.0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-            super::hsum8(lanes) + mins
+            std::array::from_fn(|r| {
+                let mut lanes = [0.0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+                super::hsum8(lanes) + mins[r]
+            })
         }
     }
 }
 
-/// One output element's dot product.
-type DotFn = fn(Format, &QuantRow, &[u8], &[f32], &[f32]) -> f32;
+/// Four output elements' dot products (see `avx2::dot4`).
+type Dot4Fn = fn(Format, &QuantRow, [&[u8]; 4], [&[f32]; 4], [&[f32]; 4]) -> [f32; 4];
 
-/// The fastest dot product this CPU has (chosen once per matmul, not per element).
-fn dot_impl() -> DotFn {
+/// The fastest implementation this CPU has (chosen once per matmul, not per element).
+fn dot4_impl() -> Dot4Fn {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features `avx2::dot` is compiled for; callers pass whole blocks.
-        return |format, x, w, s, m| unsafe { avx2::dot(format, x, w, s, m) };
+        // SAFETY: the CPU has the features `avx2::dot4` is compiled for; callers pass whole blocks.
+        return |format, x, w, s, m| unsafe { avx2::dot4(format, x, w, s, m) };
     }
-    dot_scalar
+    |format, x, w, s, m| std::array::from_fn(|r| dot_scalar(format, x, w[r], s[r], m[r]))
 }
 
 /// Host views of the operands, when they are in the layout the native loops need.
@@ -661,26 +667,38 @@ impl Operands {
             .map(|t| t.as_slice::<f32>().expect("contiguous f32"))
             .unwrap_or(&[]);
         let blocks = k / BLOCK;
-        let dot = dot_impl();
+        let dot4 = dot4_impl();
+        let weight = |j: usize| {
+            let mn = if mins.is_empty() {
+                &[][..]
+            } else {
+                &mins[j * blocks..(j + 1) * blocks]
+            };
+            (
+                &bytes[j * row_bytes..(j + 1) * row_bytes],
+                &scales[j * blocks..(j + 1) * blocks],
+                mn,
+            )
+        };
         // Output column j (weight row j) for every activation row, in parallel over groups of
-        // columns (one column is too little work to hand to a thread).
+        // columns (one column is too little work to hand to a thread), four columns per call.
         const COLS: usize = 16;
         let mut out_t = vec![0.0f32; n * m];
         out_t
             .par_chunks_mut(m * COLS)
             .enumerate()
             .for_each(|(g, cols)| {
-                for (c, col) in cols.chunks_mut(m).enumerate() {
-                    let j = g * COLS + c;
-                    let w = &bytes[j * row_bytes..(j + 1) * row_bytes];
-                    let s = &scales[j * blocks..(j + 1) * blocks];
-                    let mn = if mins.is_empty() {
-                        &[][..]
-                    } else {
-                        &mins[j * blocks..(j + 1) * blocks]
-                    };
+                let ncols = cols.len() / m;
+                for c0 in (0..ncols).step_by(4) {
+                    // Past the last column, repeat it (computed, not stored).
+                    let parts: [_; 4] =
+                        std::array::from_fn(|r| weight(g * COLS + (c0 + r).min(ncols - 1)));
+                    let (w, s, mn) = (parts.map(|p| p.0), parts.map(|p| p.1), parts.map(|p| p.2));
                     for (i, row) in rows.iter().enumerate() {
-                        col[i] = dot(format, row, w, s, mn);
+                        let y = dot4(format, row, w, s, mn);
+                        for (r, &v) in y.iter().enumerate().take(ncols - c0) {
+                            cols[(c0 + r) * m + i] = v;
+                        }
                     }
                 }
             });
@@ -730,9 +748,10 @@ mod tests {
                     .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
                     .collect();
                 let want = dot_scalar(format, &row, &w, &s, &mn);
-                assert_eq!(
-                    dot_impl()(format, &row, &w, &s, &mn).to_bits(),
-                    want.to_bits()
+                let got = dot4_impl()(format, &row, [&w; 4], [&s; 4], [&mn; 4]);
+                assert!(
+                    got.iter().all(|g| g.to_bits() == want.to_bits()),
+                    "{got:?} vs {want}"
                 );
             }
         }
