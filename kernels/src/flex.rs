@@ -523,6 +523,7 @@ mod avx2 {
 
     /// 32 weight quants of a block as i8 (Q4 nibbles unpacked: low nibbles then high nibbles).
     #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn load_weights(format: Format, block: &[u8]) -> __m256i {
         unsafe {
             match format {
@@ -543,6 +544,7 @@ mod avx2 {
 
     /// Eight i32 lanes, lane l = Σ w[i] x[i] over i in 4l..4l+4 (ggml's mul_sum_i8_pairs).
     #[target_feature(enable = "avx2")]
+    #[inline]
     unsafe fn lane_sums(format: Format, w: __m256i, x: __m256i) -> __m256i {
         let ones = _mm256_set1_epi16(1);
         if format == Format::Q4_1 {
@@ -566,19 +568,49 @@ mod avx2 {
         s: [&[f32]; 4],
         m: [&[f32]; 4],
     ) -> [f32; 4] {
+        // One specialized loop per format: no per-block branch on it.
         unsafe {
-            let bb = format.block_bytes();
+            match format {
+                Format::Q8_0 => dot4_for::<0>(x, w, s, m),
+                Format::Q4_0 => dot4_for::<1>(x, w, s, m),
+                Format::Q4_1 => dot4_for::<2>(x, w, s, m),
+            }
+        }
+    }
+
+    const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn dot4_for<const F: usize>(
+        x: &QuantRow,
+        w: [&[u8]; 4],
+        s: [&[f32]; 4],
+        m: [&[f32]; 4],
+    ) -> [f32; 4] {
+        let format = FORMATS[F];
+        let bb = format.block_bytes();
+        let blocks = x.scales.len();
+        // The caller passes whole rows: `blocks` blocks of weights, scales (and mins for Q4_1).
+        for r in 0..4 {
+            assert!(w[r].len() >= blocks * bb && s[r].len() >= blocks);
+            assert!(format != Format::Q4_1 || m[r].len() >= blocks);
+        }
+        unsafe {
             let mut acc = [_mm256_setzero_ps(); 4];
             let mut mins = [0.0f32; 4];
-            for b in 0..x.scales.len() {
+            for b in 0..blocks {
                 let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK) as *const __m256i);
+                let xd = *x.scales.get_unchecked(b);
                 for r in 0..4 {
-                    let d = _mm256_set1_ps(s[r][b] * x.scales[b]);
-                    let wq = load_weights(format, &w[r][b * bb..]);
+                    let d = _mm256_set1_ps(*s[r].get_unchecked(b) * xd);
+                    let wq = load_weights(format, w[r].get_unchecked(b * bb..));
                     let q = _mm256_cvtepi32_ps(lane_sums(format, wq, xq));
                     acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
                     if format == Format::Q4_1 {
-                        mins[r] = m[r][b].mul_add(x.sums[b], mins[r]);
+                        mins[r] = m[r]
+                            .get_unchecked(b)
+                            .mul_add(*x.sums.get_unchecked(b), mins[r]);
                     }
                 }
             }
