@@ -363,7 +363,8 @@ fn shape_mismatch_is_a_clean_error() {
     let mut w = GgufWriter::from_file(&file);
     for t in &file.tensors {
         if t.name == "blk.3.attn_q.weight" {
-            w.add_tensor(&t.name, &[576, 64], GgmlType::F32, vec![0u8; 576 * 64 * 4]).unwrap();
+            w.add_tensor(&t.name, &[576, 64], GgmlType::F32, vec![0u8; 576 * 64 * 4])
+                .unwrap();
         } else {
             w.copy_tensor(&file, t).unwrap();
         }
@@ -372,7 +373,10 @@ fn shape_mismatch_is_a_clean_error() {
     w.write_atomic(&p).unwrap();
     let out = toy(&["infer", p.to_str().unwrap(), "-p", "hi"]);
     assert_clean_error(&out, "blk.3.attn_q.weight");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("[576, 64]"), "should show the shape found");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("[576, 64]"),
+        "should show the shape found"
+    );
     std::fs::remove_file(&p).unwrap();
 }
 
