@@ -9,6 +9,7 @@ mod convert;
 mod describe;
 mod infer;
 mod tokenize;
+mod train;
 
 use std::process::ExitCode;
 
@@ -24,6 +25,7 @@ use crate::backend::BackendKind;
 ///   toy tokenize model.gguf "Hello world"
 ///   toy describe model.gguf
 ///   toy convert model.Q4_1.gguf model.Q8_0.gguf --to q8_0
+///   toy train                      (a tiny model on the bundled stories, ~1 minute)
 #[derive(Parser, Debug)]
 #[command(name = "toy", version, about, long_about = None, verbatim_doc_comment)]
 struct Cli {
@@ -54,6 +56,8 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Measure prompt processing and generation speed (tokens/s).
     Bench(bench::BenchArgs),
+    /// Train a model from scratch (default: the tiny preset on the bundled corpus, ~1 minute).
+    Train(train::TrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -68,6 +72,7 @@ fn main() -> ExitCode {
         Command::Describe(args) => describe::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Bench(args) => bench::run(cli.backend, args),
+        Command::Train(args) => train::run(cli.backend, args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

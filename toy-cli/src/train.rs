@@ -1,0 +1,455 @@
+//! `toy train`: train a model from scratch (the `from-scratch` recipe) with a progress bar.
+//!
+//! With no arguments it trains the `tiny` preset on the bundled corpus with the bundled
+//! tokenizer (both compiled into the binary and written into the run directory, so the run can
+//! be resumed from anywhere).
+
+use std::io::{IsTerminal, Write};
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use toy_kernels::ToyBackend;
+use toy_train::events::{Event, Record};
+use toy_train::{DataConfig, Preset, RunDir, RunInfo, TrainConfig, TrainSetup, train};
+
+use crate::backend::{BackendJob, BackendKind, dispatch};
+
+/// The bundled corpus and tokenizer (`fixtures/corpus/`, made by `make_corpus.py`).
+const BUNDLED_CORPUS: &[u8] = include_bytes!("../../fixtures/corpus/stories.txt");
+const BUNDLED_TOKENIZER: &[u8] = include_bytes!("../../fixtures/corpus/tokenizer.gguf");
+
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Continue the run in this directory from its last checkpoint (its config.json decides
+    /// everything; other training flags are refused).
+    #[arg(long, value_name = "RUN_DIR")]
+    pub resume: Option<PathBuf>,
+    /// Model shape and optimizer settings to start from: tiny (~1 minute on 2 CPU cores) or
+    /// small.
+    #[arg(long, default_value = "tiny", value_parser = parse_preset)]
+    pub preset: Preset,
+    /// Training text files (UTF-8; default: the bundled corpus of short stories).
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    pub data: Vec<PathBuf>,
+    /// GGUF whose tokenizer to use (a model or a tokenizer-only file; default: the bundled one).
+    #[arg(long, value_name = "GGUF")]
+    pub tokenizer: Option<PathBuf>,
+    /// Where run directories are created.
+    #[arg(long, default_value = "runs")]
+    pub runs_dir: PathBuf,
+    /// Name of the run directory (default: the UTC date and time).
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Seed of the weights, the data order and the samples.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// No progress bar or samples; only the final summary.
+    #[arg(long, short)]
+    pub quiet: bool,
+
+    // Per-field overrides of the preset.
+    /// Transformer blocks.
+    #[arg(long, help_heading = "Model")]
+    pub layers: Option<usize>,
+    /// Width of the residual stream.
+    #[arg(long, help_heading = "Model")]
+    pub d_model: Option<usize>,
+    /// Attention (query) heads.
+    #[arg(long, help_heading = "Model")]
+    pub heads: Option<usize>,
+    /// Key/value heads (grouped-query attention when fewer than --heads).
+    #[arg(long, help_heading = "Model")]
+    pub kv_heads: Option<usize>,
+    /// Hidden width of the SwiGLU MLP.
+    #[arg(long, help_heading = "Model")]
+    pub ffn: Option<usize>,
+    /// Longest context of the model (written to the GGUF).
+    #[arg(long, help_heading = "Model")]
+    pub context: Option<usize>,
+
+    /// Optimizer steps.
+    #[arg(long, help_heading = "Optimization")]
+    pub steps: Option<usize>,
+    /// Sequences per micro-batch.
+    #[arg(long, help_heading = "Optimization")]
+    pub batch_size: Option<usize>,
+    /// Micro-batches per optimizer step (gradients summed).
+    #[arg(long, help_heading = "Optimization")]
+    pub grad_accum: Option<usize>,
+    /// Tokens per training sequence.
+    #[arg(long, help_heading = "Optimization")]
+    pub seq_len: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long, help_heading = "Optimization")]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine decay.
+    #[arg(long, help_heading = "Optimization")]
+    pub min_lr: Option<f64>,
+    /// Linear warmup steps.
+    #[arg(long, help_heading = "Optimization")]
+    pub warmup: Option<usize>,
+    /// AdamW weight decay (matrices only).
+    #[arg(long, help_heading = "Optimization")]
+    pub weight_decay: Option<f32>,
+    /// Clip the global gradient norm (0 = off).
+    #[arg(long, help_heading = "Optimization")]
+    pub grad_clip: Option<f32>,
+    /// Fraction of the data held out for evaluation.
+    #[arg(long, help_heading = "Optimization")]
+    pub val_fraction: Option<f64>,
+
+    /// Evaluate on the held-out data every N steps (0 = only at the end).
+    #[arg(long, help_heading = "Cadence")]
+    pub eval_every: Option<usize>,
+    /// Print and log a generated sample every N steps (0 = only before and after).
+    #[arg(long, help_heading = "Cadence")]
+    pub sample_every: Option<usize>,
+    /// Write a checkpoint every N steps (0 = only at the end).
+    #[arg(long, help_heading = "Cadence")]
+    pub checkpoint_every: Option<usize>,
+    /// Prompt of the samples.
+    #[arg(long, help_heading = "Cadence")]
+    pub prompt: Option<String>,
+}
+
+fn parse_preset(s: &str) -> Result<Preset, String> {
+    Preset::from_name(s).ok_or_else(|| {
+        let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+        format!("unknown preset {s:?} (available: {})", names.join(", "))
+    })
+}
+
+impl TrainArgs {
+    /// Whether any flag that shapes a new run was given (refused with --resume).
+    fn shapes_a_run(&self) -> bool {
+        !self.data.is_empty()
+            || self.tokenizer.is_some()
+            || self.run_id.is_some()
+            || self.layers.is_some()
+            || self.d_model.is_some()
+            || self.heads.is_some()
+            || self.kv_heads.is_some()
+            || self.ffn.is_some()
+            || self.context.is_some()
+            || self.steps.is_some()
+            || self.batch_size.is_some()
+            || self.grad_accum.is_some()
+            || self.seq_len.is_some()
+            || self.lr.is_some()
+            || self.min_lr.is_some()
+            || self.warmup.is_some()
+            || self.weight_decay.is_some()
+            || self.grad_clip.is_some()
+            || self.val_fraction.is_some()
+            || self.eval_every.is_some()
+            || self.sample_every.is_some()
+            || self.checkpoint_every.is_some()
+            || self.prompt.is_some()
+    }
+
+    /// The config of a new run: the preset, then every override.
+    fn config(&self, data: DataConfig) -> TrainConfig {
+        let mut c = TrainConfig::from_preset(self.preset, data, self.seed);
+        let m = &mut c.model;
+        set(&mut m.n_layer, self.layers);
+        set(&mut m.d_model, self.d_model);
+        set(&mut m.n_head, self.heads);
+        set(&mut m.n_head_kv, self.kv_heads);
+        set(&mut m.d_ff, self.ffn);
+        set(&mut m.context_length, self.context);
+        let o = &mut c.optim;
+        set(&mut o.steps, self.steps);
+        set(&mut o.batch_size, self.batch_size);
+        set(&mut o.grad_accum, self.grad_accum);
+        set(&mut o.seq_len, self.seq_len);
+        set(&mut o.lr, self.lr);
+        set(&mut o.min_lr, self.min_lr);
+        set(&mut o.warmup_steps, self.warmup);
+        set(&mut o.weight_decay, self.weight_decay);
+        set(&mut o.grad_clip, self.grad_clip);
+        // A lower peak than the preset's floor would make the decay go up.
+        if self.lr.is_some() && self.min_lr.is_none() {
+            o.min_lr = o.min_lr.min(o.lr / 10.0);
+        }
+        // A short run keeps its warmup short.
+        if self.steps.is_some() && self.warmup.is_none() {
+            o.warmup_steps = o.warmup_steps.min(o.steps / 10);
+        }
+        set(&mut c.data.val_fraction, self.val_fraction);
+        let k = &mut c.cadence;
+        set(&mut k.eval_every, self.eval_every);
+        set(&mut k.sample_every, self.sample_every);
+        set(&mut k.checkpoint_every, self.checkpoint_every);
+        if let Some(p) = &self.prompt {
+            k.sample_prompt = p.clone();
+        }
+        c
+    }
+}
+
+fn set<T>(slot: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *slot = v;
+    }
+}
+
+/// A run id from the UTC clock: `YYYYMMDD-HHMMSS`.
+fn default_run_id() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Howard Hinnant's days-to-civil.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// The git revision of the source this binary was built from, when it is a checkout.
+fn git_revision() -> Option<String> {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let out = Command::new("git")
+        .args(["-C", dir, "rev-parse", "HEAD"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let rev = String::from_utf8(out.stdout).ok()?.trim().to_string();
+    let dirty = Command::new("git")
+        .args(["-C", dir, "status", "--porcelain", "--untracked-files=no"])
+        .output()
+        .ok()
+        .is_some_and(|o| !o.stdout.is_empty());
+    Some(if dirty { format!("{rev}-dirty") } else { rev })
+}
+
+/// Create the run directory of a new run and its data config (materializing the bundled corpus
+/// and tokenizer into it when they are used).
+fn new_run(args: &TrainArgs) -> Result<(RunDir, TrainConfig)> {
+    let id = args.run_id.clone().unwrap_or_else(default_run_id);
+    // Absolute paths, so that `--resume` works from any directory.
+    let absolute = |path: &PathBuf| -> Result<PathBuf> {
+        if !path.is_file() {
+            bail!("{} does not exist or is not a file", path.display());
+        }
+        path.canonicalize()
+            .with_context(|| format!("cannot resolve {}", path.display()))
+    };
+    let data_files = args.data.iter().map(absolute).collect::<Result<Vec<_>>>()?;
+    let tokenizer_file = args.tokenizer.as_ref().map(absolute).transpose()?;
+    let run = RunDir::create(&args.runs_dir, &id)?;
+    let bundled = run
+        .path
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", run.path.display()))?
+        .join("bundled");
+    let write_bundled = |name: &str, bytes: &[u8]| -> Result<PathBuf> {
+        std::fs::create_dir_all(&bundled)
+            .with_context(|| format!("cannot create {}", bundled.display()))?;
+        let path = bundled.join(name);
+        std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        Ok(path)
+    };
+    let files = if data_files.is_empty() {
+        vec![write_bundled("stories.txt", BUNDLED_CORPUS)?]
+    } else {
+        data_files
+    };
+    let tokenizer = match tokenizer_file {
+        Some(t) => t,
+        None => write_bundled("tokenizer.gguf", BUNDLED_TOKENIZER)?,
+    };
+    let data = DataConfig {
+        files,
+        tokenizer,
+        val_fraction: 0.05,
+    };
+    Ok((run, args.config(data)))
+}
+
+struct TrainJob {
+    args: TrainArgs,
+    backend: BackendKind,
+}
+
+impl BackendJob for TrainJob {
+    type Output = ();
+
+    fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
+        let args = self.args;
+        let (run, config) = match &args.resume {
+            Some(dir) => {
+                if args.shapes_a_run() {
+                    bail!(
+                        "--resume continues a run with its own config.json; drop the other training flags"
+                    );
+                }
+                let run = RunDir::open(dir)?;
+                let config = run.read_config()?;
+                (run, config)
+            }
+            None => new_run(&args)?,
+        };
+        let quiet = args.quiet;
+        if !quiet {
+            eprintln!("run {} ({})", run.id, run.path.display());
+        }
+        let setup = TrainSetup::prepare(config)
+            .with_context(|| format!("cannot prepare run {}", run.path.display()))?;
+        let info = RunInfo {
+            backend: self.backend.name().to_string(),
+            git_revision: git_revision(),
+        };
+
+        let bar = ProgressBar::new(setup.config.optim.steps as u64);
+        if quiet || !std::io::stderr().is_terminal() {
+            // Not a terminal (CI, a pipe): no redraws; milestones are printed as lines.
+            bar.set_draw_target(ProgressDrawTarget::hidden());
+        }
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:25}] {msg} ETA {eta}")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        let plain = !quiet && bar.is_hidden();
+        let say = |line: String| {
+            if quiet {
+                return;
+            }
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
+        };
+        let show = |record: &Record| match &record.event {
+            Event::RunStart {
+                n_params,
+                vocab_size,
+                data_tokens,
+                train_sequences,
+                resumed_from_step,
+                ..
+            } => {
+                bar.set_position(resumed_from_step.unwrap_or(0) as u64);
+                bar.reset_eta();
+                let c = &setup.config;
+                say(format!(
+                    "{} | {} params, vocab {vocab_size}, {} layers × d {} | {data_tokens} tokens, {train_sequences} sequences of {} | {} steps × {} tokens{}",
+                    c.recipe,
+                    human(*n_params as f64),
+                    c.model.n_layer,
+                    c.model.d_model,
+                    c.optim.seq_len,
+                    c.optim.steps,
+                    c.optim.tokens_per_step(),
+                    resumed_from_step
+                        .map(|s| format!(" | resumed after step {s}"))
+                        .unwrap_or_default(),
+                ));
+            }
+            Event::Step {
+                step,
+                loss,
+                lr,
+                tokens_per_s,
+                ..
+            } => {
+                bar.set_position(*step as u64);
+                bar.set_message(format!(
+                    "loss {loss:.3} lr {lr:.1e} {}tok/s",
+                    human(*tokens_per_s)
+                ));
+                if plain && (*step % 25 == 0 || *step == 1) {
+                    eprintln!(
+                        "step {step}: loss {loss:.3} lr {lr:.1e} {}tok/s",
+                        human(*tokens_per_s)
+                    );
+                }
+            }
+            Event::Eval {
+                step,
+                loss,
+                perplexity,
+                ..
+            } => say(format!(
+                "eval after step {step}: loss {loss:.3}, perplexity {perplexity:.2}"
+            )),
+            Event::Sample { step, text, .. } => {
+                let when = if *step == 0 {
+                    "before training".to_string()
+                } else {
+                    format!("after step {step}")
+                };
+                say(format!("sample {when}: {}", text.replace('\n', " ")));
+            }
+            Event::Checkpoint { .. } | Event::RunEnd { .. } => {}
+        };
+        let mut observer = |record: &Record| {
+            show(record);
+            ControlFlow::Continue(())
+        };
+        let summary = train::<B>(&run, &setup, &info, &device, &mut observer)?;
+        bar.finish_and_clear();
+
+        let mut out = std::io::stderr().lock();
+        let eval = summary
+            .final_eval
+            .as_ref()
+            .map(|e| {
+                format!(
+                    ", held-out loss {:.3} (perplexity {:.2})",
+                    e.mean_nll, e.perplexity
+                )
+            })
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "trained {} steps, {} tokens in {:.1} s: loss {:.3}{eval}",
+            summary.steps,
+            summary.total_tokens,
+            summary.elapsed_s,
+            summary.final_loss.unwrap_or(f64::NAN),
+        )?;
+        writeln!(
+            out,
+            "model: {}\n  try: toy infer {} -p \"{}\"",
+            summary.model_path.display(),
+            summary.model_path.display(),
+            setup.config.cadence.sample_prompt
+        )?;
+        Ok(())
+    }
+}
+
+/// 1234567 → "1.2M".
+fn human(x: f64) -> String {
+    match x {
+        x if x >= 1e9 => format!("{:.1}G", x / 1e9),
+        x if x >= 1e6 => format!("{:.1}M", x / 1e6),
+        x if x >= 1e4 => format!("{:.1}k", x / 1e3),
+        x => format!("{x:.0}"),
+    }
+}
+
+pub fn run(backend: BackendKind, args: TrainArgs) -> Result<()> {
+    dispatch(backend, TrainJob { args, backend })
+}

@@ -1,0 +1,318 @@
+//! What a training run is: the model shape, the data, the optimizer and schedule, the cadence of
+//! evaluation, samples and checkpoints. A [`TrainConfig`] is written to `runs/<id>/config.json`
+//! at the start of a run and read back by `--resume`, so it holds everything that decides the
+//! numbers (the seed included).
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use toy_models::LlamaConfig;
+
+use crate::TrainError;
+
+/// Named model shapes for training from scratch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    /// ~1M parameters with the bundled tokenizer (4 layers × 128): learns the bundled corpus in
+    /// about a minute on a CPU (120 steps × 1536 tokens; loss 6.7 → ~0.5).
+    Tiny,
+    /// ~5M parameters with the bundled tokenizer (6 layers × 256): a longer run (tens of
+    /// minutes on a CPU).
+    Small,
+}
+
+impl Preset {
+    pub const ALL: [Preset; 2] = [Preset::Tiny, Preset::Small];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// The model shape of this preset (the vocabulary comes from the tokenizer).
+    pub fn shape(self) -> ModelShape {
+        match self {
+            Preset::Tiny => ModelShape {
+                n_layer: 4,
+                d_model: 128,
+                n_head: 4,
+                n_head_kv: 2,
+                d_ff: 352,
+                context_length: 256,
+                rope_theta: 10_000.0,
+                rms_eps: 1e-5,
+            },
+            Preset::Small => ModelShape {
+                n_layer: 6,
+                d_model: 256,
+                n_head: 8,
+                n_head_kv: 4,
+                d_ff: 704,
+                context_length: 256,
+                rope_theta: 10_000.0,
+                rms_eps: 1e-5,
+            },
+        }
+    }
+
+    /// The optimization settings this preset was tuned with.
+    pub fn optim(self) -> OptimConfig {
+        match self {
+            Preset::Tiny => OptimConfig {
+                steps: 120,
+                batch_size: 12,
+                grad_accum: 1,
+                seq_len: 128,
+                lr: 3e-3,
+                min_lr: 3e-4,
+                warmup_steps: 10,
+                ..OptimConfig::default()
+            },
+            Preset::Small => OptimConfig {
+                steps: 2000,
+                batch_size: 16,
+                grad_accum: 1,
+                seq_len: 128,
+                lr: 1e-3,
+                min_lr: 1e-4,
+                warmup_steps: 100,
+                ..OptimConfig::default()
+            },
+        }
+    }
+}
+
+/// A llama-family model shape (the vocabulary size comes from the tokenizer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelShape {
+    pub n_layer: usize,
+    pub d_model: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub d_ff: usize,
+    /// Longest context the model supports (written to the GGUF; generation is limited by it).
+    pub context_length: usize,
+    pub rope_theta: f32,
+    pub rms_eps: f64,
+}
+
+impl ModelShape {
+    pub fn check(&self) -> Result<(), TrainError> {
+        let bad = |what: String| Err(TrainError::Config(what));
+        if self.n_layer == 0 || self.d_model == 0 || self.d_ff == 0 || self.context_length == 0 {
+            return bad("layers, d_model, ffn and context must be positive".into());
+        }
+        if self.n_head == 0 || self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
+            return bad(format!(
+                "heads ({}) must be a positive multiple of kv heads ({})",
+                self.n_head, self.n_head_kv
+            ));
+        }
+        if self.d_model % self.n_head != 0 || (self.d_model / self.n_head) % 2 != 0 {
+            return bad(format!(
+                "d_model ({}) must be a multiple of heads ({}) with an even head width (RoPE rotates pairs)",
+                self.d_model, self.n_head
+            ));
+        }
+        if !(self.rope_theta > 0.0 && self.rms_eps > 0.0) {
+            return bad("rope theta and rms eps must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// The model config for a vocabulary of `vocab_size` tokens. The output head is not tied to
+    /// the embedding: `LlamaConfig::init` gives a tied model's head its own copy of the weights,
+    /// which training would then update apart, so a from-scratch model is untied and the GGUF
+    /// carries `output.weight`.
+    pub fn llama(&self, vocab_size: usize) -> LlamaConfig {
+        LlamaConfig::new(
+            self.n_layer,
+            self.d_model,
+            self.n_head,
+            self.n_head_kv,
+            self.d_model / self.n_head,
+            self.d_ff,
+            vocab_size,
+            self.context_length,
+        )
+        .with_rope_theta(self.rope_theta)
+        .with_rms_eps(self.rms_eps)
+        .with_rope_interleaved(true)
+        .with_tied_embeddings(false)
+    }
+}
+
+/// Optimizer, schedule and batch settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OptimConfig {
+    /// Optimizer steps in the run.
+    pub steps: usize,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches whose gradients are summed (averaged) into one optimizer step.
+    pub grad_accum: usize,
+    /// Tokens per training sequence (each predicts its next token).
+    pub seq_len: usize,
+    /// Peak learning rate (after warmup).
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Steps of linear warmup from 0 to `lr`.
+    pub warmup_steps: usize,
+    /// AdamW decoupled weight decay, applied to matrices only (not to norms).
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub epsilon: f32,
+    /// Clip the global gradient norm to this value (0 = off).
+    pub grad_clip: f32,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            steps: 1000,
+            batch_size: 8,
+            grad_accum: 1,
+            seq_len: 128,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 50,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            epsilon: 1e-8,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+impl OptimConfig {
+    pub fn check(&self) -> Result<(), TrainError> {
+        let bad = |what: &str| Err(TrainError::Config(what.to_string()));
+        if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 || self.seq_len == 0 {
+            return bad(
+                "steps, batch size, grad accumulation and sequence length must be positive",
+            );
+        }
+        if !(self.lr > 0.0 && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad("learning rates must satisfy 0 <= min_lr <= lr and lr > 0");
+        }
+        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+            return bad("AdamW betas must be in [0, 1)");
+        }
+        if self.weight_decay < 0.0 || self.grad_clip < 0.0 || self.epsilon <= 0.0 {
+            return bad("weight decay and grad clip must be >= 0, epsilon > 0");
+        }
+        Ok(())
+    }
+
+    /// Tokens predicted per optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.batch_size * self.grad_accum * self.seq_len
+    }
+}
+
+/// Where the tokens come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DataConfig {
+    /// Text files (UTF-8), tokenized and concatenated in this order.
+    pub files: Vec<PathBuf>,
+    /// The GGUF holding the tokenizer (a model GGUF or a tokenizer-only one); its `tokenizer.*`
+    /// metadata is copied into every checkpoint.
+    pub tokenizer: PathBuf,
+    /// Fraction of the sequences held out for evaluation (taken from the end).
+    pub val_fraction: f64,
+}
+
+/// The cadence of evaluation, samples and checkpoints (in optimizer steps; 0 = only at the end).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CadenceConfig {
+    pub eval_every: usize,
+    /// Held-out micro-batches per evaluation (0 = all).
+    pub eval_batches: usize,
+    pub sample_every: usize,
+    pub checkpoint_every: usize,
+    /// Prompt of the generated samples (the tokenizer's BOS is added when it asks for one).
+    pub sample_prompt: String,
+    pub sample_tokens: usize,
+    pub sample_temperature: f32,
+}
+
+impl Default for CadenceConfig {
+    fn default() -> Self {
+        CadenceConfig {
+            eval_every: 40,
+            eval_batches: 8,
+            sample_every: 0,
+            checkpoint_every: 40,
+            sample_prompt: "Once upon a time".into(),
+            sample_tokens: 48,
+            sample_temperature: 0.8,
+        }
+    }
+}
+
+/// A whole training run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// The recipe; only `from-scratch` exists so far.
+    pub recipe: String,
+    /// The preset the shape and optimizer settings started from, if any (informational).
+    pub preset: Option<Preset>,
+    pub model: ModelShape,
+    pub optim: OptimConfig,
+    pub data: DataConfig,
+    pub cadence: CadenceConfig,
+    /// Seeds the weights, the data order and the samples.
+    pub seed: u64,
+}
+
+impl TrainConfig {
+    /// The from-scratch recipe with a preset's shape and optimizer settings.
+    pub fn from_preset(preset: Preset, data: DataConfig, seed: u64) -> Self {
+        TrainConfig {
+            recipe: "from-scratch".into(),
+            preset: Some(preset),
+            model: preset.shape(),
+            optim: preset.optim(),
+            data,
+            cadence: CadenceConfig::default(),
+            seed,
+        }
+    }
+
+    pub fn check(&self) -> Result<(), TrainError> {
+        if self.recipe != "from-scratch" {
+            return Err(TrainError::Config(format!(
+                "unknown recipe {:?} (available: from-scratch)",
+                self.recipe
+            )));
+        }
+        self.model.check()?;
+        self.optim.check()?;
+        if self.data.files.is_empty() {
+            return Err(TrainError::Config("no training data files given".into()));
+        }
+        if !(0.0..1.0).contains(&self.data.val_fraction) {
+            return Err(TrainError::Config(format!(
+                "the held-out fraction must be in [0, 1), not {}",
+                self.data.val_fraction
+            )));
+        }
+        if self.optim.seq_len > self.model.context_length {
+            return Err(TrainError::Config(format!(
+                "sequence length {} is longer than the model's context {}",
+                self.optim.seq_len, self.model.context_length
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,185 @@
+//! Evaluation: mean cross-entropy and perplexity of a model on tokens.
+//!
+//! Windowing ([`Scoring`]): a text longer than the context is cut into non-overlapping windows
+//! of `context` tokens, each evaluated from an empty KV cache.
+//! - [`Scoring::All`]: every position of a window after its first is scored (predicting the
+//!   next token from everything before it in the window); the last, shorter window is kept if it
+//!   has at least two tokens. Every token but the first of each window is scored once.
+//! - [`Scoring::SecondHalf`]: llama.cpp's `llama-perplexity` method. Only full windows; the
+//!   first token of each window is replaced by BOS when the tokenizer adds one; only the tokens
+//!   of the second half are scored (positions `context/2 .. context-1` predict the tokens after
+//!   them), so every scored token has at least `context/2` tokens of context.
+//!
+//! NLL is summed in f64 on the host; perplexity is `exp(mean NLL)`.
+
+use burn::tensor::{Int, Tensor, TensorData, activation};
+use serde::Serialize;
+use toy_kernels::ToyBackend;
+use toy_models::Transformer;
+
+use crate::TrainError;
+use crate::data::Batch;
+
+/// Which positions of each window are scored (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scoring {
+    All,
+    SecondHalf,
+}
+
+/// How to cut and score a token sequence.
+#[derive(Debug, Clone)]
+pub struct EvalOptions {
+    /// Window length in tokens.
+    pub context: usize,
+    pub scoring: Scoring,
+    /// Put this token first in every window ([`Scoring::SecondHalf`] only; llama.cpp's BOS).
+    pub bos: Option<u32>,
+    /// Evaluate at most this many windows.
+    pub max_windows: Option<usize>,
+}
+
+/// The result of an evaluation.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalResult {
+    /// Mean negative log-likelihood per scored token, in nats.
+    pub mean_nll: f64,
+    pub perplexity: f64,
+    /// Tokens scored.
+    pub scored: usize,
+    pub windows: usize,
+    /// Fraction of scored tokens that were the model's top-1 prediction.
+    pub top1_accuracy: f64,
+}
+
+impl EvalResult {
+    fn from_sums(nll: f64, correct: usize, scored: usize, windows: usize) -> Self {
+        let mean_nll = nll / scored.max(1) as f64;
+        EvalResult {
+            mean_nll,
+            perplexity: mean_nll.exp(),
+            scored,
+            windows,
+            top1_accuracy: correct as f64 / scored.max(1) as f64,
+        }
+    }
+}
+
+/// Per-position NLL and top-1 hit of `inputs[b, t]` predicting `targets[b, t]`, on the host.
+fn score<B: ToyBackend>(
+    model: &Transformer<B>,
+    inputs: Tensor<B, 2, Int>,
+    targets: Tensor<B, 2, Int>,
+) -> Result<(Vec<f64>, Vec<bool>), TrainError> {
+    let [b, t] = inputs.dims();
+    let logits = model.forward(inputs, &mut model.new_cache());
+    let vocab = logits.dims()[2];
+    let logp = activation::log_softmax(logits.reshape([b * t, vocab]), 1);
+    let targets = targets.reshape([b * t, 1]);
+    let nll = logp.clone().gather(1, targets.clone()).neg();
+    let hit = logp.argmax(1).equal(targets);
+    let nll = nll
+        .into_data()
+        .convert::<f64>()
+        .into_vec::<f64>()
+        .map_err(|e| TrainError::Backend(format!("{e:?}")))?;
+    // Through an int tensor: the host type of a bool tensor differs between backends.
+    let hit = hit
+        .int()
+        .into_data()
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .map_err(|e| TrainError::Backend(format!("{e:?}")))?;
+    Ok((nll, hit.into_iter().map(|h| h != 0).collect()))
+}
+
+/// Mean NLL over held-out batches (every position scored).
+pub fn evaluate_batches<B: ToyBackend>(
+    model: &Transformer<B>,
+    batches: &[Batch],
+) -> Result<EvalResult, TrainError> {
+    let device = model.rope_inv_freqs.device();
+    let (mut nll, mut correct, mut scored) = (0.0, 0, 0);
+    for batch in batches {
+        let (inputs, targets) = batch.tensors::<B>(&device);
+        let (n, h) = score(model, inputs, targets)?;
+        nll += n.iter().sum::<f64>();
+        correct += h.iter().filter(|&&x| x).count();
+        scored += n.len();
+    }
+    Ok(EvalResult::from_sums(nll, correct, scored, batches.len()))
+}
+
+/// Cross-entropy and perplexity of `tokens` under `model` (see the module docs for windowing).
+/// `progress(done, total)` is called after each window.
+pub fn perplexity<B: ToyBackend>(
+    model: &Transformer<B>,
+    tokens: &[u32],
+    options: &EvalOptions,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<EvalResult, TrainError> {
+    let n_ctx = options.context;
+    if n_ctx < 2 {
+        return Err(TrainError::Config(
+            "the evaluation context must be at least 2 tokens".into(),
+        ));
+    }
+    if n_ctx > model.context_length {
+        return Err(TrainError::Config(format!(
+            "context {n_ctx} is longer than the model's {}; pass a smaller --context",
+            model.context_length
+        )));
+    }
+    let mut windows: Vec<Vec<u32>> = match options.scoring {
+        Scoring::All => tokens
+            .chunks(n_ctx)
+            .filter(|w| w.len() >= 2)
+            .map(<[u32]>::to_vec)
+            .collect(),
+        Scoring::SecondHalf => tokens
+            .chunks_exact(n_ctx)
+            .map(|w| {
+                let mut w = w.to_vec();
+                if let Some(bos) = options.bos {
+                    w[0] = bos;
+                }
+                w
+            })
+            .collect(),
+    };
+    if let Some(max) = options.max_windows {
+        windows.truncate(max);
+    }
+    if windows.is_empty() {
+        let need = match options.scoring {
+            Scoring::All => 2,
+            Scoring::SecondHalf => n_ctx,
+        };
+        return Err(TrainError::Data(format!(
+            "{} tokens are too few to evaluate: this method needs at least {need} (lower --context)",
+            tokens.len()
+        )));
+    }
+    let first = match options.scoring {
+        Scoring::All => 0,
+        Scoring::SecondHalf => n_ctx / 2,
+    };
+    let device = model.rope_inv_freqs.device();
+    let (mut nll, mut correct, mut scored) = (0.0, 0, 0);
+    for (i, w) in windows.iter().enumerate() {
+        let ids: Vec<i64> = w.iter().map(|&t| t as i64).collect();
+        let n = ids.len();
+        let all = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+        let (nl, hit) = score(
+            model,
+            all.clone().narrow(1, 0, n - 1),
+            all.narrow(1, 1, n - 1),
+        )?;
+        nll += nl[first..].iter().sum::<f64>();
+        correct += hit[first..].iter().filter(|&&x| x).count();
+        scored += nl.len() - first;
+        progress(i + 1, windows.len());
+    }
+    Ok(EvalResult::from_sums(nll, correct, scored, windows.len()))
+}

@@ -1,0 +1,47 @@
+//! toy-train: training and evaluation of toy's burn models.
+//!
+//! - [`config`]: a run's configuration (presets, model shape, optimizer, data, cadence).
+//! - [`data`]: text files → tokens → packed sequences → seeded micro-batches, with a held-out
+//!   split.
+//! - [`optim`]: the loss, AdamW with weight decay on matrices only, global-norm clipping.
+//! - [`schedule`]: linear warmup + cosine decay.
+//! - [`trainer`]: the from-scratch recipe's loop on `Autodiff<B>`, with evaluation, samples and
+//!   checkpoints.
+//! - [`checkpoint`]: the run directory, atomic checkpoints and `--resume`.
+//! - [`events`]: the `toy/v1` event log (`docs/events.md`).
+//! - [`eval`]: cross-entropy and perplexity with documented windowing (`toy eval`).
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod eval;
+pub mod events;
+pub mod optim;
+pub mod schedule;
+pub mod trainer;
+
+pub use checkpoint::RunDir;
+pub use config::{CadenceConfig, DataConfig, ModelShape, OptimConfig, Preset, TrainConfig};
+pub use trainer::{RunInfo, RunSummary, TrainSetup, train};
+
+/// Everything that can stop a run or an evaluation.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Data(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("checkpoint: {0}")]
+    Record(String),
+    #[error("cannot write the model: {0}")]
+    Save(#[from] toy_models::SaveError),
+    #[error("training diverged at step {step}: the gradient norm is {grad_norm}; lower --lr")]
+    Diverged { step: usize, grad_norm: f64 },
+    #[error("backend error: {0}")]
+    Backend(String),
+}

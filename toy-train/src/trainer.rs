@@ -1,0 +1,362 @@
+//! The training loop of the from-scratch recipe, on `Autodiff<B>`.
+//!
+//! Each optimizer step: `grad_accum` micro-batches, each forward → cross-entropy (divided by
+//! `grad_accum`, so the summed gradients are those of the mean loss) → backward, their gradients
+//! summed; the global gradient norm clipped; one AdamW step at the scheduled learning rate. Then,
+//! on their cadence: held-out evaluation, a generated sample, a checkpoint. Every event goes to
+//! `events.jsonl` and to the caller's observer (the CLI draws its progress bar from them).
+//!
+//! Determinism: the weights come from the seed (`B::seed` before init), micro-batch `g` is a
+//! pure function of `(seed, g)` (see [`crate::data`]), the schedule a pure function of the step,
+//! and the samples use their own seeded sampler. On a backend whose ops are deterministic (both
+//! CPU backends are) the same seed gives the same loss curve, and a resumed run continues the
+//! same curve: the checkpoint restores the weights and AdamW moments exactly (f32 records).
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::ElementConversion;
+use toy_core::gguf::{GgufFile, Value};
+use toy_core::sampling::{Sampler, SamplingParams};
+use toy_core::tokenizer::Tokenizer;
+use toy_kernels::ToyBackend;
+use toy_models::generate::{GenerateOptions, generate};
+use toy_models::{LlamaConfig, Transformer};
+
+use crate::TrainError;
+use crate::checkpoint::{RunDir, TrainState};
+use crate::config::TrainConfig;
+use crate::data::{TokenData, tokenize_files};
+use crate::eval::{EvalResult, evaluate_batches};
+use crate::events::{Event, EventLog, Record};
+use crate::optim::{OptimRecord, TrainOptimizer, cross_entropy, grad_norm, scale_grads};
+use crate::schedule::learning_rate;
+
+/// Everything a run needs besides the backend: the config, the tokenizer and its metadata, the
+/// tokenized data.
+pub struct TrainSetup {
+    pub config: TrainConfig,
+    pub tokenizer: Tokenizer,
+    /// `tokenizer.*` metadata of the tokenizer GGUF, copied into every checkpoint.
+    pub tokenizer_metadata: Vec<(String, Value)>,
+    pub data: TokenData,
+}
+
+impl TrainSetup {
+    /// Load the tokenizer and tokenize the data of `config`.
+    pub fn prepare(config: TrainConfig) -> Result<Self, TrainError> {
+        config.check()?;
+        let file = GgufFile::open(&config.data.tokenizer).map_err(|e| {
+            TrainError::Config(format!(
+                "cannot open the tokenizer {}: {e}",
+                config.data.tokenizer.display()
+            ))
+        })?;
+        let tokenizer = Tokenizer::from_gguf(&file).map_err(|e| {
+            TrainError::Config(format!(
+                "{} has no usable tokenizer: {e}",
+                config.data.tokenizer.display()
+            ))
+        })?;
+        let tokenizer_metadata = file
+            .metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .cloned()
+            .collect();
+        let tokens = tokenize_files(&tokenizer, &config.data.files)?;
+        let data = TokenData::new(tokens, config.optim.seq_len, config.data.val_fraction)?;
+        if data.batches_per_epoch(config.optim.batch_size) == 0 {
+            return Err(TrainError::Data(format!(
+                "{} training sequences of {} tokens are fewer than one batch of {}; add text or lower --batch-size/--seq-len",
+                data.n_train(),
+                config.optim.seq_len,
+                config.optim.batch_size
+            )));
+        }
+        Ok(TrainSetup {
+            config,
+            tokenizer,
+            tokenizer_metadata,
+            data,
+        })
+    }
+
+    pub fn llama_config(&self) -> LlamaConfig {
+        self.config.model.llama(self.tokenizer.vocab_size())
+    }
+
+    /// The metadata written into checkpoints besides the model's own keys.
+    fn gguf_metadata(&self, run_id: &str) -> Vec<(String, Value)> {
+        let mut meta = vec![(
+            "general.name".to_string(),
+            Value::String(format!("toy {} {run_id}", self.config.recipe)),
+        )];
+        meta.extend(self.tokenizer_metadata.iter().cloned());
+        meta
+    }
+}
+
+/// Facts about the environment recorded in `run_start`.
+#[derive(Debug, Clone)]
+pub struct RunInfo {
+    pub backend: String,
+    pub git_revision: Option<String>,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub steps: usize,
+    pub final_loss: Option<f64>,
+    pub final_eval: Option<EvalResult>,
+    pub total_tokens: usize,
+    pub elapsed_s: f64,
+    pub model_path: PathBuf,
+}
+
+type Ad<B> = Autodiff<B>;
+
+/// Train `setup` in `run` (a new run, or `--resume` when it holds a checkpoint). Events go to
+/// `runs/<id>/events.jsonl` and to `observer`, which may stop the run early by returning
+/// `ControlFlow::Break` (after a `checkpoint` event, the run can then be resumed from there);
+/// a run stopped early writes no `run_end`.
+pub fn train<B: ToyBackend>(
+    run: &RunDir,
+    setup: &TrainSetup,
+    info: &RunInfo,
+    device: &B::Device,
+    observer: &mut dyn FnMut(&Record) -> ControlFlow<()>,
+) -> Result<RunSummary, TrainError> {
+    let config = &setup.config;
+    let o = &config.optim;
+    let llama = setup.llama_config();
+    let meta = setup.gguf_metadata(&run.id);
+    let checkpoint = run.latest()?;
+
+    // The model and optimizer: fresh from the seed, or restored exactly.
+    B::seed(device, config.seed);
+    let mut model: Transformer<Ad<B>> = llama.init(device);
+    let mut optim = TrainOptimizer::<Ad<B>>::new(o);
+    let mut state = TrainState {
+        step: 0,
+        total_tokens: 0,
+        elapsed_s: 0.0,
+        events_len: 0,
+        last_loss: None,
+        last_eval_loss: None,
+    };
+    let resumed = checkpoint.is_some();
+    if let Some(dir) = &checkpoint {
+        let (saved, model_record, optim_record) =
+            RunDir::read_checkpoint::<Ad<B>, _, OptimRecord<Ad<B>>>(dir, device)?;
+        model = model.load_record(model_record);
+        optim = optim.load_record(optim_record);
+        state = saved;
+        // A kill between the checkpoint and the GGUF leaves an older model.gguf: bring it level.
+        toy_models::save(&model.valid(), &llama, &meta, run.model_path())?;
+    } else {
+        run.write_config(config)?;
+    }
+    let mut events = Events {
+        log: EventLog::open(&run.events_path(), resumed.then_some(state.events_len))?,
+        observer,
+        stop: false,
+    };
+
+    events.emit(Event::RunStart {
+        run_id: run.id.clone(),
+        config: Box::new(config.clone()),
+        backend: info.backend.clone(),
+        device: format!("{device:?}"),
+        seed: config.seed,
+        git_revision: info.git_revision.clone(),
+        toy_version: env!("CARGO_PKG_VERSION").to_string(),
+        n_params: model.num_params(),
+        vocab_size: llama.vocab_size,
+        data_tokens: setup.data.n_tokens(),
+        train_sequences: setup.data.n_train(),
+        val_sequences: setup.data.n_val(),
+        tokens_per_step: o.tokens_per_step(),
+        resumed_from_step: resumed.then_some(state.step),
+    })?;
+    if !resumed {
+        events.emit(sample(&model.valid(), setup, 0)?)?;
+    }
+
+    let cadence = &config.cadence;
+    let due = |every: usize, step: usize| every > 0 && step % every == 0;
+    let mut last_eval = None;
+    let run_clock = Instant::now();
+    let elapsed_before = state.elapsed_s;
+    for step in state.step..o.steps {
+        let started = Instant::now();
+        let lr = learning_rate(o, step);
+        let mut accumulator = GradientsAccumulator::<Transformer<Ad<B>>>::new();
+        let mut loss_sum = 0.0;
+        let mut epoch = 0;
+        for m in 0..o.grad_accum {
+            let g = (step * o.grad_accum + m) as u64;
+            let batch = setup.data.train_batch(config.seed, g, o.batch_size)?;
+            epoch = batch.epoch;
+            let (inputs, targets) = batch.tensors::<Ad<B>>(device);
+            let logits = model.forward(inputs, &mut model.new_cache());
+            let loss = cross_entropy(logits, targets);
+            loss_sum += loss.clone().into_scalar().elem::<f64>();
+            let grads = loss.div_scalar(o.grad_accum as f64).backward();
+            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+        }
+        let mut grads = accumulator.grads();
+        let norm = grad_norm::<Ad<B>, _>(&model, &mut grads);
+        if !norm.is_finite() {
+            return Err(TrainError::Diverged {
+                step: step + 1,
+                grad_norm: norm,
+            });
+        }
+        let clipped = o.grad_clip > 0.0 && norm > o.grad_clip as f64;
+        if clipped {
+            scale_grads::<Ad<B>, _>(&model, &mut grads, o.grad_clip as f64 / norm);
+        }
+        model = optim.step(lr, model, grads);
+
+        let done = step + 1;
+        let loss = loss_sum / o.grad_accum as f64;
+        let tokens = o.tokens_per_step();
+        state.step = done;
+        state.total_tokens += tokens;
+        state.last_loss = Some(loss);
+        state.elapsed_s = elapsed_before + run_clock.elapsed().as_secs_f64();
+        events.emit(Event::Step {
+            step: done,
+            loss,
+            lr,
+            grad_norm: norm,
+            clipped,
+            tokens,
+            total_tokens: state.total_tokens,
+            tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64().max(1e-9),
+            elapsed_s: state.elapsed_s,
+            epoch,
+        })?;
+
+        let last = done == o.steps;
+        if (due(cadence.eval_every, done) || last) && setup.data.n_val() > 0 {
+            let batches = setup.data.val_batches(o.batch_size, cadence.eval_batches);
+            let result = evaluate_batches(&model.valid(), &batches)?;
+            state.last_eval_loss = Some(result.mean_nll);
+            events.emit(Event::Eval {
+                step: done,
+                loss: result.mean_nll,
+                perplexity: result.perplexity,
+                tokens: result.scored,
+            })?;
+            last_eval = Some(result);
+        }
+        if due(cadence.sample_every, done) || last {
+            events.emit(sample(&model.valid(), setup, done)?)?;
+        }
+        if due(cadence.checkpoint_every, done) || last {
+            state.events_len = events.log.durable_len()?;
+            let valid = model.valid();
+            let (dir, bytes) =
+                run.write_checkpoint::<Ad<B>, _, _>(&state, &model, optim.to_record(), |path| {
+                    Ok(toy_models::save(&valid, &llama, &meta, path)?)
+                })?;
+            events.emit(Event::Checkpoint {
+                step: done,
+                model: run.model_path(),
+                state: dir,
+                bytes,
+            })?;
+        }
+        if events.stop {
+            return Ok(summary(&state, last_eval, run));
+        }
+    }
+
+    events.emit(Event::RunEnd {
+        step: state.step,
+        final_loss: state.last_loss,
+        final_eval_loss: state.last_eval_loss,
+        total_tokens: state.total_tokens,
+        elapsed_s: state.elapsed_s,
+    })?;
+    Ok(summary(&state, last_eval, run))
+}
+
+fn summary(state: &TrainState, final_eval: Option<EvalResult>, run: &RunDir) -> RunSummary {
+    RunSummary {
+        steps: state.step,
+        final_loss: state.last_loss,
+        final_eval,
+        total_tokens: state.total_tokens,
+        elapsed_s: state.elapsed_s,
+        model_path: run.model_path(),
+    }
+}
+
+/// The event log and the caller's observer.
+struct Events<'a> {
+    log: EventLog,
+    observer: &'a mut dyn FnMut(&Record) -> ControlFlow<()>,
+    /// The observer asked to stop.
+    stop: bool,
+}
+
+impl Events<'_> {
+    fn emit(&mut self, event: Event) -> Result<(), TrainError> {
+        let record = event.record();
+        self.log.write(&record)?;
+        self.stop |= (self.observer)(&record).is_break();
+        Ok(())
+    }
+}
+
+/// Generate a sample from the configured prompt (seeded by the run's seed and the step).
+fn sample<B: ToyBackend>(
+    model: &Transformer<B>,
+    setup: &TrainSetup,
+    step: usize,
+) -> Result<Event, TrainError> {
+    let c = &setup.config.cadence;
+    let tok = &setup.tokenizer;
+    let prompt = tok
+        .encode(&c.sample_prompt, true, true)
+        .map_err(|e| TrainError::Config(format!("cannot tokenize the sample prompt: {e}")))?;
+    let room = model.context_length.saturating_sub(prompt.len());
+    let seed = setup.config.seed.wrapping_add(step as u64);
+    let mut text = c.sample_prompt.clone();
+    if !prompt.is_empty() && room > 0 {
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: c.sample_temperature,
+            seed,
+            ..SamplingParams::default()
+        });
+        let options = GenerateOptions {
+            max_new_tokens: c.sample_tokens.min(room),
+            stop_at_eog: true,
+        };
+        let (ids, _) = generate(
+            model,
+            &prompt,
+            &options,
+            &mut sampler,
+            |id| tok.is_eog(id),
+            |_| ControlFlow::Continue(()),
+        )
+        .map_err(|e| TrainError::Backend(e.to_string()))?;
+        text.push_str(&tok.decode(&ids));
+    }
+    Ok(Event::Sample {
+        step,
+        prompt: c.sample_prompt.clone(),
+        text,
+        temperature: c.sample_temperature,
+        seed,
+    })
+}
