@@ -47,6 +47,8 @@ pub fn run(args: DescribeArgs) -> Result<()> {
             "rope": {"theta": config.rope_theta, "dims": config.rope_dim, "description": config.describe_rope()},
             "rms_eps": config.rms_eps,
             "tied_embeddings": config.tied_embeddings,
+            "attention_bias": config.attn_bias,
+            "qk_norm": config.qk_norm,
             "vocab_size": config.vocab_size,
             "tokenizer": tokenizer.kind(),
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
@@ -81,6 +83,16 @@ pub fn run(args: DescribeArgs) -> Result<()> {
     println!("  context        {}", config.context_length);
     println!("  rope           {}", config.describe_rope());
     println!("  rms eps        {:e}", config.rms_eps);
+    let mut extras = Vec::new();
+    if config.attn_bias {
+        extras.push("Q/K/V biases");
+    }
+    if config.qk_norm {
+        extras.push("per-head Q/K RMSNorm");
+    }
+    if !extras.is_empty() {
+        println!("  attention      {}", extras.join(", "));
+    }
     println!(
         "  output head    {}",
         if config.tied_embeddings {

@@ -3,7 +3,7 @@
 use crate::gguf::{GgufError, GgufFile};
 
 /// Architectures whose GGUF files toy can load.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -57,6 +57,10 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     /// The output projection reuses `token_embd.weight` (no `output.weight` tensor).
     pub tied_embeddings: bool,
+    /// Q/K/V projections have biases (qwen2).
+    pub attn_bias: bool,
+    /// Per-head RMSNorm of queries and keys before RoPE (qwen3).
+    pub qk_norm: bool,
 }
 
 impl ModelConfig {
@@ -129,9 +133,16 @@ impl ModelConfig {
             rms_eps,
             rope_theta,
             rope_dim,
-            rope_layout: RopeLayout::Interleaved,
+            // GGUF `llama` weights are permuted for interleaved pairs; the others keep HF's layout.
+            rope_layout: if arch == "llama" {
+                RopeLayout::Interleaved
+            } else {
+                RopeLayout::Neox
+            },
             rope_scaling,
             tied_embeddings: file.tensor("output.weight").is_none(),
+            attn_bias: file.tensor("blk.0.attn_q.bias").is_some(),
+            qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
             architecture: arch,
         })
     }

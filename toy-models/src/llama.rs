@@ -46,6 +46,12 @@ pub struct LlamaConfig {
     /// The output head reuses the token embedding.
     #[config(default = true)]
     pub tied_embeddings: bool,
+    /// Q/K/V projections have biases (qwen2).
+    #[config(default = false)]
+    pub attn_bias: bool,
+    /// Per-head RMSNorm of queries and keys before RoPE (qwen3).
+    #[config(default = false)]
+    pub qk_norm: bool,
 }
 
 impl LlamaConfig {
@@ -65,6 +71,8 @@ impl LlamaConfig {
         .with_rope_dim(c.rope_dim)
         .with_rope_interleaved(c.rope_layout == toy_core::config::RopeLayout::Interleaved)
         .with_tied_embeddings(c.tied_embeddings)
+        .with_attn_bias(c.attn_bias)
+        .with_qk_norm(c.qk_norm)
     }
 
     fn rope_dim(&self) -> usize {
@@ -90,6 +98,12 @@ impl LlamaConfig {
                 .with_epsilon(self.rms_eps)
                 .init(device)
         };
+        let head_norm = || {
+            RmsNormConfig::new(self.head_dim)
+                .with_epsilon(self.rms_eps)
+                .init(device)
+        };
+        let bias = |n: usize| Param::from_tensor(Tensor::zeros([n], device));
         let blocks = (0..self.n_layer)
             .map(|_| Block {
                 attn_norm: norm(),
@@ -98,6 +112,11 @@ impl LlamaConfig {
                     wk: dense(self.n_head_kv * self.head_dim, self.d_model),
                     wv: dense(self.n_head_kv * self.head_dim, self.d_model),
                     wo: dense(self.d_model, self.n_head * self.head_dim),
+                    bq: self.attn_bias.then(|| bias(self.n_head * self.head_dim)),
+                    bk: self.attn_bias.then(|| bias(self.n_head_kv * self.head_dim)),
+                    bv: self.attn_bias.then(|| bias(self.n_head_kv * self.head_dim)),
+                    q_norm: self.qk_norm.then(|| head_norm()),
+                    k_norm: self.qk_norm.then(|| head_norm()),
                     n_head: self.n_head,
                     n_head_kv: self.n_head_kv,
                     head_dim: self.head_dim,
@@ -179,6 +198,13 @@ pub struct Attention<B: Backend> {
     pub wk: QLinear<B>,
     pub wv: QLinear<B>,
     pub wo: QLinear<B>,
+    /// Q/K/V biases (qwen2).
+    pub bq: Option<Param<Tensor<B, 1>>>,
+    pub bk: Option<Param<Tensor<B, 1>>>,
+    pub bv: Option<Param<Tensor<B, 1>>>,
+    /// Per-head query/key RMSNorm before RoPE (qwen3).
+    pub q_norm: Option<RmsNorm<B>>,
+    pub k_norm: Option<RmsNorm<B>>,
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
@@ -317,10 +343,24 @@ impl<B: ToyBackend> Attention<B> {
         model: &Transformer<B>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
-        let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, self.head_dim]).swap_dims(1, 2);
-        let q = heads(self.wq.forward(x.clone()), self.n_head);
-        let k = heads(self.wk.forward(x.clone()), self.n_head_kv);
-        let v = heads(self.wv.forward(x), self.n_head_kv);
+        // Project (+ bias), split into heads (+ per-head norm), heads before tokens.
+        let heads = |w: &QLinear<B>,
+                     bias: &Option<Param<Tensor<B, 1>>>,
+                     norm: &Option<RmsNorm<B>>,
+                     n: usize| {
+            let mut y = w.forward(x.clone());
+            if let Some(bias) = bias {
+                y = y + bias.val().unsqueeze::<3>();
+            }
+            let mut y = y.reshape([b, t, n, self.head_dim]);
+            if let Some(norm) = norm {
+                y = rms_norm(norm, y);
+            }
+            y.swap_dims(1, 2)
+        };
+        let q = heads(&self.wq, &self.bq, &self.q_norm, self.n_head);
+        let k = heads(&self.wk, &self.bk, &self.k_norm, self.n_head_kv);
+        let v = heads(&self.wv, &self.bv, &None, self.n_head_kv);
         let q = self.rope(q, step, model);
         let k = self.rope(k, step, model);
         let (k, v) = cache.append(layer, k, v);

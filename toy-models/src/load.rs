@@ -52,7 +52,7 @@ pub fn load<B: ToyBackend>(
         false => linear(file, "output.weight", c.d_model, c.vocab_size, device)?,
     };
     tick();
-    let output_norm = norm(file, "output_norm.weight", c, device)?;
+    let output_norm = norm(file, "output_norm.weight", c.d_model, c, device)?;
     tick();
 
     let mut blocks = Vec::with_capacity(c.n_layer);
@@ -68,6 +68,35 @@ pub fn load<B: ToyBackend>(
             wk: lin("attn_k", c.d_model, kvdim)?,
             wv: lin("attn_v", c.d_model, kvdim)?,
             wo: lin("attn_output", qdim, c.d_model)?,
+            bq: bias(
+                file,
+                &format!("blk.{i}.attn_q.bias"),
+                qdim,
+                c.attn_bias,
+                device,
+            )?,
+            bk: bias(
+                file,
+                &format!("blk.{i}.attn_k.bias"),
+                kvdim,
+                c.attn_bias,
+                device,
+            )?,
+            bv: bias(
+                file,
+                &format!("blk.{i}.attn_v.bias"),
+                kvdim,
+                c.attn_bias,
+                device,
+            )?,
+            q_norm: c
+                .qk_norm
+                .then(|| norm(file, &name("attn_q_norm"), c.head_dim, c, device))
+                .transpose()?,
+            k_norm: c
+                .qk_norm
+                .then(|| norm(file, &name("attn_k_norm"), c.head_dim, c, device))
+                .transpose()?,
             n_head: c.n_head,
             n_head_kv: c.n_head_kv,
             head_dim: c.head_dim,
@@ -77,9 +106,9 @@ pub fn load<B: ToyBackend>(
             up: lin("ffn_up", c.d_model, c.d_ff)?,
             down: lin("ffn_down", c.d_ff, c.d_model)?,
         };
-        let attn_norm = norm(file, &name("attn_norm"), c, device)?;
+        let attn_norm = norm(file, &name("attn_norm"), c.d_model, c, device)?;
         tick();
-        let ffn_norm = norm(file, &name("ffn_norm"), c, device)?;
+        let ffn_norm = norm(file, &name("ffn_norm"), c.d_model, c, device)?;
         tick();
         blocks.push(Block {
             attn_norm,
@@ -121,18 +150,35 @@ fn dense_tensor<B: ToyBackend, const D: usize>(
     Ok(Tensor::from_data(TensorData::new(values, shape), device))
 }
 
+/// An RMSNorm of `width` (the model width, or the head width for per-head Q/K norms).
 fn norm<B: ToyBackend>(
     file: &GgufFile,
     name: &str,
+    width: usize,
     c: &ModelConfig,
     device: &B::Device,
 ) -> Result<RmsNorm<B>, LoadError> {
-    let info = tensor(file, name, &[c.d_model])?;
-    let mut norm = RmsNormConfig::new(c.d_model)
+    let info = tensor(file, name, &[width])?;
+    let mut norm = RmsNormConfig::new(width)
         .with_epsilon(c.rms_eps as f64)
         .init(device);
     norm.gamma = Param::from_tensor(dense_tensor(file, info, device)?);
     Ok(norm)
+}
+
+/// A Q/K/V bias `[out]`, present when the architecture has them.
+fn bias<B: ToyBackend>(
+    file: &GgufFile,
+    name: &str,
+    out: usize,
+    present: bool,
+    device: &B::Device,
+) -> Result<Option<Param<Tensor<B, 1>>>, LoadError> {
+    if !present {
+        return Ok(None);
+    }
+    let info = tensor(file, name, &[out])?;
+    Ok(Some(Param::from_tensor(dense_tensor(file, info, device)?)))
 }
 
 /// A weight `[in, out]` (ggml order) as a `QLinear`: Q8_0/Q4_0/Q4_1 stay packed, the rest is f32.
