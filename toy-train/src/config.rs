@@ -109,13 +109,15 @@ impl ModelShape {
         if self.n_layer == 0 || self.d_model == 0 || self.d_ff == 0 || self.context_length == 0 {
             return bad("layers, d_model, ffn and context must be positive".into());
         }
-        if self.n_head == 0 || self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
+        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(format!(
                 "heads ({}) must be a positive multiple of kv heads ({})",
                 self.n_head, self.n_head_kv
             ));
         }
-        if self.d_model % self.n_head != 0 || (self.d_model / self.n_head) % 2 != 0 {
+        if !self.d_model.is_multiple_of(self.n_head)
+            || !(self.d_model / self.n_head).is_multiple_of(2)
+        {
             return bad(format!(
                 "d_model ({}) must be a multiple of heads ({}) with an even head width (RoPE rotates pairs)",
                 self.d_model, self.n_head

@@ -3,6 +3,7 @@
 //! - [`config`]: a run's configuration (presets, model shape, optimizer, data, cadence).
 //! - [`data`]: text files → tokens → packed sequences → seeded micro-batches, with a held-out
 //!   split.
+//! - [`init`]: seeded weight initialization, independent of burn's global RNG.
 //! - [`optim`]: the loss, AdamW with weight decay on matrices only, global-norm clipping.
 //! - [`schedule`]: linear warmup + cosine decay.
 //! - [`trainer`]: the from-scratch recipe's loop on `Autodiff<B>`, with evaluation, samples and
@@ -16,6 +17,7 @@ pub mod config;
 pub mod data;
 pub mod eval;
 pub mod events;
+pub mod init;
 pub mod optim;
 pub mod schedule;
 pub mod trainer;

@@ -6,7 +6,7 @@
 //! on their cadence: held-out evaluation, a generated sample, a checkpoint. Every event goes to
 //! `events.jsonl` and to the caller's observer (the CLI draws its progress bar from them).
 //!
-//! Determinism: the weights come from the seed (`B::seed` before init), micro-batch `g` is a
+//! Determinism: the weights come from the seed ([`crate::init`]), micro-batch `g` is a
 //! pure function of `(seed, g)` (see [`crate::data`]), the schedule a pure function of the step,
 //! and the samples use their own seeded sampler. On a backend whose ops are deterministic (both
 //! CPU backends are) the same seed gives the same loss curve, and a resumed run continues the
@@ -30,9 +30,10 @@ use toy_models::{LlamaConfig, Transformer};
 use crate::TrainError;
 use crate::checkpoint::{RunDir, TrainState};
 use crate::config::TrainConfig;
-use crate::data::{TokenData, tokenize_files};
+use crate::data::{Batch, TokenData, tokenize_files};
 use crate::eval::{EvalResult, evaluate_batches};
 use crate::events::{Event, EventLog, Record};
+use crate::init::init_model;
 use crate::optim::{OptimRecord, TrainOptimizer, cross_entropy, grad_norm, scale_grads};
 use crate::schedule::learning_rate;
 
@@ -139,8 +140,7 @@ pub fn train<B: ToyBackend>(
     let checkpoint = run.latest()?;
 
     // The model and optimizer: fresh from the seed, or restored exactly.
-    B::seed(device, config.seed);
-    let mut model: Transformer<Ad<B>> = llama.init(device);
+    let mut model: Transformer<Ad<B>> = init_model(&llama, config.seed, device);
     let mut optim = TrainOptimizer::<Ad<B>>::new(o);
     let mut state = TrainState {
         step: 0,
@@ -189,28 +189,21 @@ pub fn train<B: ToyBackend>(
     }
 
     let cadence = &config.cadence;
-    let due = |every: usize, step: usize| every > 0 && step % every == 0;
+    let due = |every: usize, step: usize| every > 0 && step.is_multiple_of(every);
     let mut last_eval = None;
     let run_clock = Instant::now();
     let elapsed_before = state.elapsed_s;
     for step in state.step..o.steps {
         let started = Instant::now();
         let lr = learning_rate(o, step);
-        let mut accumulator = GradientsAccumulator::<Transformer<Ad<B>>>::new();
-        let mut loss_sum = 0.0;
-        let mut epoch = 0;
-        for m in 0..o.grad_accum {
-            let g = (step * o.grad_accum + m) as u64;
-            let batch = setup.data.train_batch(config.seed, g, o.batch_size)?;
-            epoch = batch.epoch;
-            let (inputs, targets) = batch.tensors::<Ad<B>>(device);
-            let logits = model.forward(inputs, &mut model.new_cache());
-            let loss = cross_entropy(logits, targets);
-            loss_sum += loss.clone().into_scalar().elem::<f64>();
-            let grads = loss.div_scalar(o.grad_accum as f64).backward();
-            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
-        }
-        let mut grads = accumulator.grads();
+        let batches = (0..o.grad_accum)
+            .map(|m| {
+                let g = (step * o.grad_accum + m) as u64;
+                setup.data.train_batch(config.seed, g, o.batch_size)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let epoch = batches[0].epoch;
+        let (mut grads, loss) = accumulate_grads(&model, &batches, device);
         let norm = grad_norm::<Ad<B>, _>(&model, &mut grads);
         if !norm.is_finite() {
             return Err(TrainError::Diverged {
@@ -225,7 +218,6 @@ pub fn train<B: ToyBackend>(
         model = optim.step(lr, model, grads);
 
         let done = step + 1;
-        let loss = loss_sum / o.grad_accum as f64;
         let tokens = o.tokens_per_step();
         state.step = done;
         state.total_tokens += tokens;
@@ -315,6 +307,28 @@ impl Events<'_> {
         self.stop |= (self.observer)(&record).is_break();
         Ok(())
     }
+}
+
+/// Gradients of the mean cross-entropy over `batches` (micro-batches of equal size), summed one
+/// micro-batch at a time so that only one micro-batch's activations are alive at once; and that
+/// mean loss. The result equals the gradient of one forward over all the batches' sequences.
+pub fn accumulate_grads<B: ToyBackend>(
+    model: &Transformer<Ad<B>>,
+    batches: &[Batch],
+    device: &B::Device,
+) -> (GradientsParams, f64) {
+    let mut accumulator = GradientsAccumulator::<Transformer<Ad<B>>>::new();
+    let mut loss_sum = 0.0;
+    for batch in batches {
+        let (inputs, targets) = batch.tensors::<Ad<B>>(device);
+        let logits = model.forward(inputs, &mut model.new_cache());
+        let loss = cross_entropy(logits, targets);
+        loss_sum += loss.clone().into_scalar().elem::<f64>();
+        // Each micro-batch's share of the mean: the summed gradients are the mean's gradient.
+        let grads = loss.div_scalar(batches.len() as f64).backward();
+        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+    }
+    (accumulator.grads(), loss_sum / batches.len() as f64)
 }
 
 /// Generate a sample from the configured prompt (seeded by the run's seed and the step).
