@@ -106,40 +106,28 @@ impl ToyBackend for Flex {
 
     fn rope(
         x: FloatTensor<Self>,
-        positions: IntTensor<Self>,
-        inv_freqs: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
         layout: RopeLayout,
     ) -> FloatTensor<Self> {
         let shape = x.shape();
-        let (xc, pc, fc) = (
-            x.to_contiguous(),
-            positions.to_contiguous(),
-            inv_freqs.to_contiguous(),
-        );
-        let (Some(xs), Some(fs)) = (xc.as_slice::<f32>(), fc.as_slice::<f32>()) else {
-            return reference::rope::<Self>(x, positions, inv_freqs, layout);
+        let (xc, cc, sc) = (x.to_contiguous(), cos.to_contiguous(), sin.to_contiguous());
+        let (Some(xs), Some(cs), Some(ss)) = (
+            xc.as_slice::<f32>(),
+            cc.as_slice::<f32>(),
+            sc.as_slice::<f32>(),
+        ) else {
+            return reference::rope::<Self>(x, cos, sin, layout);
         };
-        let pos: Vec<i64> = match pc.dtype() {
-            DType::I32 => pc
-                .as_slice::<i32>()
-                .map(|p| p.iter().map(|&v| v as i64).collect()),
-            DType::I64 => pc.as_slice::<i64>().map(|p| p.to_vec()),
-            _ => None,
+        if shape.num_dims() != 4 || cs.len() != ss.len() || cs.len() % shape[2] != 0 {
+            return reference::rope::<Self>(x, cos, sin, layout);
         }
-        .unwrap_or_default();
-        if pos.len() != shape[2] || shape.num_dims() != 4 {
-            return reference::rope::<Self>(x, positions, inv_freqs, layout);
-        }
-        FlexTensor::from_data(TensorData::new(
-            rope_ggml(
-                xs,
-                [shape[0], shape[1], shape[2], shape[3]],
-                &pos,
-                fs,
-                layout,
-            ),
-            shape,
-        ))
+        let (t, d) = (shape[2], shape[3]);
+        let half = cs.len() / t;
+        let mut out = xs.to_vec();
+        out.par_chunks_mut(t * d)
+            .for_each(|head| rope_head(head, cs, ss, [d, half], layout));
+        FlexTensor::from_data(TensorData::new(out, shape))
     }
 
     fn q4_1_matmul(
@@ -309,50 +297,28 @@ fn attend_head_impl(
     }
 }
 
-/// RoPE computed as ggml does. When `inv_freqs` is a geometric sequence `s^i` (plain RoPE, as the
-/// model builds it) the angle of pair `i` is ggml's f32 recurrence `theta = p; theta *= s` (from
-/// `ggml_rope_cache_init`), otherwise `p * inv_freqs[i]`; then `cosf`/`sinf` and the rotation.
-fn rope_ggml(
-    x: &[f32],
-    [b, h, t, d]: [usize; 4],
-    pos: &[i64],
-    inv_freqs: &[f32],
-    layout: RopeLayout,
-) -> Vec<f32> {
-    let half = inv_freqs.len();
-    let ratio = if half > 1 { inv_freqs[1] } else { 1.0 };
-    let geometric =
-        inv_freqs.first() == Some(&1.0) && inv_freqs.windows(2).all(|w| w[1] == w[0] * ratio);
-    // cos/sin per position and pair, shared by every head.
-    let mut cache = Vec::with_capacity(pos.len() * half);
-    for &p in pos {
-        let mut theta = p as f32;
-        for &f in inv_freqs {
-            let angle = if geometric { theta } else { p as f32 * f };
-            cache.push((angle.cos(), angle.sin()));
-            theta *= ratio;
-        }
-    }
-    let mut out = x.to_vec();
-    out.par_chunks_mut(t * d)
-        .take(b * h)
-        .for_each(|head| rope_head(head, &cache, d, layout));
-    out
-}
+with_fma!(fn rope_head = rope_head_impl(head: &mut [f32], cos: &[f32], sin: &[f32], dims: [usize; 2], layout: RopeLayout));
 
-with_fma!(fn rope_head = rope_head_impl(head: &mut [f32], cache: &[(f32, f32)], d: usize, layout: RopeLayout));
-
-/// Rotate every row of one head; `cache` holds (cos, sin) per row and pair.
+/// Rotate every row (token) of one head with that token's cos/sin row.
 #[inline(always)]
-fn rope_head_impl(head: &mut [f32], cache: &[(f32, f32)], d: usize, layout: RopeLayout) {
-    let half = cache.len() / (head.len() / d);
-    for (row, cs) in head.chunks_mut(d).zip(cache.chunks(half)) {
-        for (i, &(c, s)) in cs.iter().enumerate() {
+fn rope_head_impl(
+    head: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    [d, half]: [usize; 2],
+    layout: RopeLayout,
+) {
+    for (ti, row) in head.chunks_mut(d).enumerate() {
+        let (cs, ss) = (
+            &cos[ti * half..(ti + 1) * half],
+            &sin[ti * half..(ti + 1) * half],
+        );
+        for i in 0..half {
             let (i0, i1) = match layout {
                 RopeLayout::Interleaved => (2 * i, 2 * i + 1),
                 RopeLayout::Neox => (i, i + half),
             };
-            let (x0, x1) = (row[i0], row[i1]);
+            let (x0, x1, c, s) = (row[i0], row[i1], cs[i], ss[i]);
             // GCC contracts ggml's `x0*cos - x1*sin` / `x0*sin + x1*cos` into these FMAs
             // (read off the disassembly of llama.cpp's x86-64 build).
             row[i0] = x0.mul_add(c, -(x1 * s));

@@ -90,15 +90,16 @@ pub trait ToyBackend: Backend {
         reference::swiglu::<Self>(gate, up)
     }
 
-    /// Rotary embedding of `x[b, h, t, d]` at `positions[t]`, rotating the first
-    /// `2 * inv_freqs.len()` dims of each head (the rest pass through).
+    /// Rotary embedding of `x[b, h, t, d]`: pair `i` of token `t` is rotated by the angle whose
+    /// `cos[t, i]` and `sin[t, i]` are given (`toy_core::rope` computes them as llama.cpp does);
+    /// the first `2 * cos.dims()[1]` dims of each head rotate, the rest pass through.
     fn rope(
         x: FloatTensor<Self>,
-        positions: IntTensor<Self>,
-        inv_freqs: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
         layout: RopeLayout,
     ) -> FloatTensor<Self> {
-        reference::rope::<Self>(x, positions, inv_freqs, layout)
+        reference::rope::<Self>(x, cos, sin, layout)
     }
 
     /// Causal attention. `q[b, h, tq, d]`, `k`/`v` `[b, h_kv, tk, d]` with `h` a multiple of

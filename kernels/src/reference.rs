@@ -142,20 +142,17 @@ pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTens
 
 pub fn rope<B: Backend>(
     x: FloatTensor<B>,
-    positions: IntTensor<B>,
-    inv_freqs: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
     layout: RopeLayout,
 ) -> FloatTensor<B> {
     let x: Tensor<B, 4> = float(x);
     let [b, h, t, d] = x.dims();
-    let inv_freqs: Tensor<B, 1> = float(inv_freqs);
-    let half = inv_freqs.dims()[0];
+    let cos: Tensor<B, 2> = float(cos);
+    let half = cos.dims()[1];
     let rot = 2 * half;
-    let positions: Tensor<B, 1, Int> = Tensor::from_primitive(positions);
-    // angles[t, i] = position[t] * inv_freq[i]
-    let angles = positions.float().reshape([t, 1]) * inv_freqs.reshape([1, half]);
-    let cos = angles.clone().cos().reshape([1, 1, t, half]);
-    let sin = angles.sin().reshape([1, 1, t, half]);
+    let cos = cos.reshape([1, 1, t, half]);
+    let sin = float::<B, 2>(sin).reshape([1, 1, t, half]);
 
     let x_rot = x.clone().narrow(3, 0, rot);
     let (x0, x1) = match layout {

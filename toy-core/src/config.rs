@@ -33,6 +33,14 @@ pub enum RopeScaling {
     Linear {
         factor: f32,
     },
+    /// YaRN: slow-rotating dims interpolated by `factor`, fast ones kept, a magnitude correction.
+    Yarn {
+        factor: f32,
+        original_context: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        attn_factor: f32,
+    },
 }
 
 /// Everything the transformer needs to know about its shape, read from metadata.
@@ -118,7 +126,7 @@ impl ModelConfig {
             .get_f64(&key("attention.layer_norm_rms_epsilon"))?
             .unwrap_or(1e-5) as f32;
         let rope_theta = file.get_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
-        let rope_scaling = rope_scaling(file, &arch)?;
+        let rope_scaling = rope_scaling(file, &arch, context_length)?;
 
         Ok(ModelConfig {
             name: file.get_str("general.name")?.map(str::to_string),
@@ -147,28 +155,18 @@ impl ModelConfig {
         })
     }
 
-    /// Inverse RoPE frequencies, one per rotated pair, with the scaling applied. Computed the way
-    /// ggml does (`theta_scale = base^(-2/d)` multiplied in f32), so angles match llama.cpp's.
-    pub fn rope_inv_freqs(&self) -> Vec<f32> {
-        let theta_scale = self.rope_theta.powf(-2.0 / self.rope_dim as f32);
-        let mut freq = 1.0f32;
-        let mut out = Vec::with_capacity(self.rope_dim / 2);
-        for _ in 0..self.rope_dim / 2 {
-            out.push(freq);
-            freq *= theta_scale;
-        }
-        match self.rope_scaling {
-            RopeScaling::None => {}
-            RopeScaling::Linear { factor } => out.iter_mut().for_each(|f| *f /= factor),
-        }
-        out
-    }
-
     /// One line about RoPE for `toy describe`.
     pub fn describe_rope(&self) -> String {
         let scaling = match self.rope_scaling {
             RopeScaling::None => "none".to_string(),
             RopeScaling::Linear { factor } => format!("linear ×{factor}"),
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                ..
+            } => {
+                format!("yarn ×{factor} (original context {original_context})")
+            }
         };
         let layout = match self.rope_layout {
             RopeLayout::Interleaved => "interleaved",
@@ -181,20 +179,38 @@ impl ModelConfig {
     }
 }
 
-fn rope_scaling(file: &GgufFile, arch: &str) -> Result<RopeScaling, ConfigError> {
+fn rope_scaling(
+    file: &GgufFile,
+    arch: &str,
+    context_length: usize,
+) -> Result<RopeScaling, ConfigError> {
     let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    let f32_or = |k: &str, default: f32| -> Result<f32, ConfigError> {
+        Ok(file.get_f64(&key(k))?.map_or(default, |v| v as f32))
+    };
     let kind = file.get_str(&key("type"))?.unwrap_or("none");
-    let factor = file.get_f64(&key("factor"))?.unwrap_or(1.0) as f32;
+    // Older files give the linear factor as `rope.scale_linear`.
+    let factor = match file.get_f64(&key("factor"))? {
+        Some(f) => f as f32,
+        None => file
+            .get_f64(&format!("{arch}.rope.scale_linear"))?
+            .map_or(1.0, |v| v as f32),
+    };
     match kind {
         "none" => Ok(RopeScaling::None),
         "linear" if factor == 1.0 => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear { factor }),
-        // These tables are part of the kernels work; refuse clearly instead of running wrong.
-        "yarn" | "llama3" => Err(ConfigError::Invalid(format!(
-            "RoPE scaling {kind:?} is not supported yet (supported: none, linear)"
-        ))),
+        "yarn" => Ok(RopeScaling::Yarn {
+            factor,
+            original_context: file
+                .get_u64(&key("original_context_length"))?
+                .map_or(context_length, |v| v as usize),
+            beta_fast: f32_or("yarn_beta_fast", 32.0)?,
+            beta_slow: f32_or("yarn_beta_slow", 1.0)?,
+            attn_factor: f32_or("attn_factor", 1.0)?,
+        }),
         other => Err(ConfigError::Invalid(format!(
-            "unknown RoPE scaling type {other:?}"
+            "RoPE scaling {other:?} is not supported (supported: none, linear, yarn)"
         ))),
     }
 }

@@ -2,10 +2,11 @@
 //!
 //! GGUF read/write/dequantize/quantize ([`gguf`]), the tokenizer built from GGUF metadata
 //! ([`tokenizer`]), chat templates ([`chat`]), the model configuration read from metadata
-//! ([`config`]) and sampling ([`sampling`]).
+//! ([`config`]), RoPE angles ([`rope`]) and sampling ([`sampling`]).
 
 pub mod chat;
 pub mod config;
 pub mod gguf;
+pub mod rope;
 pub mod sampling;
 pub mod tokenizer;

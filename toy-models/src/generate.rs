@@ -90,7 +90,7 @@ pub fn generate<B: ToyBackend>(
             context: model.context_length,
         });
     }
-    let device = model.rope_inv_freqs.device();
+    let device = model.device();
     let mut cache = model.new_cache();
     let mut history: Vec<u32> = prompt.to_vec();
     let mut generated = Vec::with_capacity(options.max_new_tokens);

@@ -8,6 +8,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
+use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
 use crate::qlinear::QLinear;
@@ -135,7 +136,21 @@ impl LlamaConfig {
         } else {
             dense(self.vocab_size, self.d_model)
         };
-        self.assemble(token_embd, blocks, norm(), output, device)
+        self.assemble(token_embd, blocks, norm(), output, self.rope_angles())
+    }
+
+    /// Plain RoPE angles for this config (θ base, rotated dims, no scaling): what a model made
+    /// from scratch uses. Loaded models take theirs from the GGUF metadata.
+    pub fn rope_angles(&self) -> RopeAngles {
+        RopeAngles {
+            n_dims: self.rope_dim(),
+            freq_base: self.rope_theta,
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            corr_dims: [0.0, 0.0],
+            freq_factors: None,
+        }
     }
 
     /// Put loaded or initialized parts together.
@@ -145,26 +160,14 @@ impl LlamaConfig {
         blocks: Vec<Block<B>>,
         output_norm: RmsNorm<B>,
         output: QLinear<B>,
-        device: &B::Device,
+        rope: RopeAngles,
     ) -> Transformer<B> {
-        let rope_dim = self.rope_dim();
-        // ggml computes θ_i = θ_base^(-2i/d) by repeated f32 multiplication; do the same so
-        // angles match llama.cpp's to the last bit we can.
-        let theta_scale = self.rope_theta.powf(-2.0 / rope_dim as f32);
-        let mut f = 1.0f32;
-        let inv_freqs: Vec<f32> = (0..rope_dim / 2)
-            .map(|_| {
-                let v = f;
-                f *= theta_scale;
-                v
-            })
-            .collect();
         Transformer {
             token_embd,
             blocks,
             output_norm,
             output,
-            rope_inv_freqs: Tensor::from_data(TensorData::new(inv_freqs, [rope_dim / 2]), device),
+            rope,
             rope_interleaved: self.rope_interleaved,
             context_length: self.context_length,
         }
@@ -178,8 +181,9 @@ pub struct Transformer<B: Backend> {
     pub blocks: Vec<Block<B>>,
     pub output_norm: RmsNorm<B>,
     pub output: QLinear<B>,
-    /// RoPE inverse frequencies (a constant, not a parameter).
-    pub rope_inv_freqs: Tensor<B, 1>,
+    /// How RoPE angles are computed (host-side, as llama.cpp does; not a parameter).
+    #[module(skip)]
+    pub rope: RopeAngles,
     pub rope_interleaved: bool,
     pub context_length: usize,
 }
@@ -257,15 +261,21 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
-/// Context for one forward pass: where the new tokens sit.
+/// Context for one forward pass: where the new tokens sit and their RoPE tables.
 struct Step<B: Backend> {
-    positions: Tensor<B, 1, Int>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
     past: usize,
 }
 
 impl<B: ToyBackend> Transformer<B> {
     pub fn n_layer(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// The device the model's weights live on.
+    pub fn device(&self) -> B::Device {
+        self.output_norm.gamma.device()
     }
 
     pub fn new_cache(&self) -> KvCache<B> {
@@ -282,8 +292,11 @@ impl<B: ToyBackend> Transformer<B> {
         let [_, t] = tokens.dims();
         let device = tokens.device();
         let past = cache.len;
+        let (cos, sin) = self.rope.cos_sin(past as i64..(past + t) as i64);
+        let half = cos.len() / t;
         let step = Step {
-            positions: Tensor::arange(past as i64..(past + t) as i64, &device),
+            cos: Tensor::from_data(TensorData::new(cos, [t, half]), &device),
+            sin: Tensor::from_data(TensorData::new(sin, [t, half]), &device),
             past,
         };
         let mut x = self.token_embd.forward(tokens);
@@ -391,8 +404,8 @@ impl<B: ToyBackend> Attention<B> {
         };
         Tensor::from_primitive(TensorPrimitive::Float(B::rope(
             x.into_primitive().tensor(),
-            step.positions.clone().into_primitive(),
-            model.rope_inv_freqs.clone().into_primitive().tensor(),
+            step.cos.clone().into_primitive().tensor(),
+            step.sin.clone().into_primitive().tensor(),
             layout,
         )))
     }

@@ -5,6 +5,7 @@ use burn::nn::{Embedding, RmsNorm, RmsNormConfig};
 use burn::tensor::{Tensor, TensorData};
 use toy_core::config::{ConfigError, ModelConfig};
 use toy_core::gguf::{GgmlType, GgufError, GgufFile, TensorInfo, tensor_to_f32};
+use toy_core::rope::RopeAngles;
 use toy_kernels::ToyBackend;
 use toy_kernels::quant::{pack_q4_0, pack_q4_1, pack_q8_0};
 
@@ -117,8 +118,17 @@ pub fn load<B: ToyBackend>(
             mlp,
         });
     }
+    // Llama 3.x stores per-pair frequency divisors as a tensor.
+    let freq_factors = match file.tensor("rope_freqs.weight") {
+        Some(_) => Some(tensor_to_f32(
+            file,
+            tensor(file, "rope_freqs.weight", &[c.rope_dim / 2])?,
+        )?),
+        None => None,
+    };
+    let rope = RopeAngles::new(c, freq_factors);
     let model =
-        LlamaConfig::from_model_config(c).assemble(token_embd, blocks, output_norm, output, device);
+        LlamaConfig::from_model_config(c).assemble(token_embd, blocks, output_norm, output, rope);
     tick();
     Ok((config, model))
 }

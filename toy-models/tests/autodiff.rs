@@ -20,7 +20,7 @@ use toy_models::{LlamaConfig, QLinear, Transformer};
 
 /// Mean next-token cross-entropy of `tokens[b, t]` (targets are the tokens shifted by one).
 fn loss<B: ToyBackend>(model: &Transformer<B>, tokens: &[i64], batch: usize) -> Tensor<B, 1> {
-    let device = model.rope_inv_freqs.device();
+    let device = model.token_embd.weight.val().device();
     let t = tokens.len() / batch;
     let all = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
     let input = all.clone().narrow(1, 0, t - 1);

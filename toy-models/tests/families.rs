@@ -1,4 +1,4 @@
-//! Model families beyond llama, on tiny random-weight GGUFs (fixtures/models/, made by
+//! Model families and RoPE variants beyond SmolLM2, on tiny random-weight GGUFs (fixtures/models/, made by
 //! make_tiny_models.py) against llama.cpp's outputs on the same files: tokenization, greedy ids
 //! (16 steps, margins down to 0.004) and every position's top-8 logits.
 //!
@@ -27,12 +27,12 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn check(arch: &str) {
+fn check(name: &str, arch: &str) {
     let expected: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture(&format!("tiny-{arch}.expected.json"))).unwrap(),
+        &std::fs::read_to_string(fixture(&format!("tiny-{name}.expected.json"))).unwrap(),
     )
     .unwrap();
-    let file = GgufFile::open(fixture(&format!("tiny-{arch}.gguf"))).unwrap();
+    let file = GgufFile::open(fixture(&format!("tiny-{name}.gguf"))).unwrap();
     let tokenizer = Tokenizer::from_gguf(&file).unwrap();
     let device = Default::default();
     let (config, model) = toy_models::load::<Flex>(&file, &device, |_, _| {}).unwrap();
@@ -95,15 +95,27 @@ fn check(arch: &str) {
             }
         }
     }
-    eprintln!("{arch}: greedy ids identical, largest logit deviation {worst:.1e}");
+    eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
 }
 
 #[test]
 fn qwen2_matches_llama_cpp() {
-    check("qwen2");
+    check("qwen2", "qwen2");
 }
 
 #[test]
 fn qwen3_matches_llama_cpp() {
-    check("qwen3");
+    check("qwen3", "qwen3");
+}
+
+/// Llama 3.1-style `rope_freqs.weight` frequency divisors (greedy margins down to 0.0009).
+#[test]
+fn llama3_rope_freqs_match_llama_cpp() {
+    check("llama3", "llama");
+}
+
+/// YaRN RoPE scaling (factor 4 over an original context of 64).
+#[test]
+fn qwen2_yarn_matches_llama_cpp() {
+    check("qwen2-yarn", "qwen2");
 }
