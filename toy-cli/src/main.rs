@@ -7,6 +7,7 @@ mod backend;
 mod bench;
 mod convert;
 mod describe;
+mod eval;
 mod infer;
 mod tokenize;
 mod train;
@@ -26,6 +27,7 @@ use crate::backend::BackendKind;
 ///   toy describe model.gguf
 ///   toy convert model.Q4_1.gguf model.Q8_0.gguf --to q8_0
 ///   toy train                      (a tiny model on the bundled stories, ~1 minute)
+///   toy eval model.gguf --data text.txt
 #[derive(Parser, Debug)]
 #[command(name = "toy", version, about, long_about = None, verbatim_doc_comment)]
 struct Cli {
@@ -58,6 +60,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Train a model from scratch (default: the tiny preset on the bundled corpus, ~1 minute).
     Train(train::TrainArgs),
+    /// Mean cross-entropy and perplexity of a model on a text file.
+    Eval(eval::EvalArgs),
 }
 
 fn main() -> ExitCode {
@@ -73,6 +77,7 @@ fn main() -> ExitCode {
         Command::Convert(args) => convert::run(args),
         Command::Bench(args) => bench::run(cli.backend, args),
         Command::Train(args) => train::run(cli.backend, args),
+        Command::Eval(args) => eval::run(cli.backend, args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

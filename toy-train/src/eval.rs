@@ -10,9 +10,10 @@
 //!   of the second half are scored (positions `context/2 .. context-1` predict the tokens after
 //!   them), so every scored token has at least `context/2` tokens of context.
 //!
-//! NLL is summed in f64 on the host; perplexity is `exp(mean NLL)`.
+//! The log-softmax and the NLL sums are computed in f64 on the host; perplexity is
+//! `exp(mean NLL)`.
 
-use burn::tensor::{Int, Tensor, TensorData, activation};
+use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 use toy_kernels::ToyBackend;
 use toy_models::Transformer;
@@ -66,32 +67,44 @@ impl EvalResult {
     }
 }
 
-/// Per-position NLL and top-1 hit of `inputs[b, t]` predicting `targets[b, t]`, on the host.
+/// Per-position NLL and top-1 hit of `inputs[b, t]` predicting `targets` (`b·t` ids, row-major).
+///
+/// The log-softmax is taken on the host in f64, as llama.cpp's perplexity tool does, so that an
+/// f32 sum over a large vocabulary adds no rounding of its own to the comparison.
 fn score<B: ToyBackend>(
     model: &Transformer<B>,
     inputs: Tensor<B, 2, Int>,
-    targets: Tensor<B, 2, Int>,
+    targets: &[u32],
 ) -> Result<(Vec<f64>, Vec<bool>), TrainError> {
-    let [b, t] = inputs.dims();
     let logits = model.forward(inputs, &mut model.new_cache());
     let vocab = logits.dims()[2];
-    let logp = activation::log_softmax(logits.reshape([b * t, vocab]), 1);
-    let targets = targets.reshape([b * t, 1]);
-    let nll = logp.clone().gather(1, targets.clone()).neg();
-    let hit = logp.argmax(1).equal(targets);
-    let nll = nll
+    let logits = logits
         .into_data()
-        .convert::<f64>()
-        .into_vec::<f64>()
+        .convert::<f32>()
+        .into_vec::<f32>()
         .map_err(|e| TrainError::Backend(format!("{e:?}")))?;
-    // Through an int tensor: the host type of a bool tensor differs between backends.
-    let hit = hit
-        .int()
-        .into_data()
-        .convert::<i64>()
-        .into_vec::<i64>()
-        .map_err(|e| TrainError::Backend(format!("{e:?}")))?;
-    Ok((nll, hit.into_iter().map(|h| h != 0).collect()))
+    let mut nll = Vec::with_capacity(targets.len());
+    let mut hit = Vec::with_capacity(targets.len());
+    for (row, &target) in logits.chunks_exact(vocab).zip(targets) {
+        // Argmax with ties to the lowest id.
+        let (best, max) =
+            row.iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                    if v > bv { (i, v) } else { (bi, bv) }
+                });
+        let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
+        let logsumexp = max as f64 + sum.ln();
+        let target = target as usize;
+        if target >= vocab {
+            return Err(TrainError::Data(format!(
+                "token id {target} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        nll.push(logsumexp - row[target] as f64);
+        hit.push(best == target);
+    }
+    Ok((nll, hit))
 }
 
 /// Mean NLL over held-out batches (every position scored).
@@ -99,11 +112,16 @@ pub fn evaluate_batches<B: ToyBackend>(
     model: &Transformer<B>,
     batches: &[Batch],
 ) -> Result<EvalResult, TrainError> {
-    let device = model.rope_inv_freqs.device();
+    let device = model.token_embd.weight.val().device();
     let (mut nll, mut correct, mut scored) = (0.0, 0, 0);
     for batch in batches {
-        let (inputs, targets) = batch.tensors::<B>(&device);
-        let (n, h) = score(model, inputs, targets)?;
+        let (inputs, _) = batch.tensors::<B>(&device);
+        let targets: Vec<u32> = batch
+            .tokens
+            .chunks_exact(batch.seq_len + 1)
+            .flat_map(|w| w[1..].iter().copied())
+            .collect();
+        let (n, h) = score(model, inputs, &targets)?;
         nll += n.iter().sum::<f64>();
         correct += h.iter().filter(|&&x| x).count();
         scored += n.len();
@@ -165,17 +183,17 @@ pub fn perplexity<B: ToyBackend>(
         Scoring::All => 0,
         Scoring::SecondHalf => n_ctx / 2,
     };
-    let device = model.rope_inv_freqs.device();
+    let device = model.token_embd.weight.val().device();
     let (mut nll, mut correct, mut scored) = (0.0, 0, 0);
     for (i, w) in windows.iter().enumerate() {
         let ids: Vec<i64> = w.iter().map(|&t| t as i64).collect();
         let n = ids.len();
-        let all = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
-        let (nl, hit) = score(
-            model,
-            all.clone().narrow(1, 0, n - 1),
-            all.narrow(1, 1, n - 1),
-        )?;
+        let inputs = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device).narrow(
+            1,
+            0,
+            n - 1,
+        );
+        let (nl, hit) = score(model, inputs, &w[1..])?;
         nll += nl[first..].iter().sum::<f64>();
         correct += hit[first..].iter().filter(|&&x| x).count();
         scored += nl.len() - first;

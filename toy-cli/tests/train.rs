@@ -1,0 +1,325 @@
+//! `toy train` and `toy eval` end to end: the default preset learns the bundled corpus and its
+//! checkpoint runs in `toy infer` and `toy eval`; a run killed with SIGKILL resumes from its last
+//! checkpoint, loses none, and finishes on the exact loss curve of an uninterrupted run; `toy
+//! eval` reproduces llama.cpp's NLL on SmolLM2.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn toy(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_toy"))
+        .args(args)
+        .output()
+        .expect("run toy")
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("train-tests")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn success(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "toy failed: {stderr}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The complete lines of an event log.
+fn events(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    complete
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    events.iter().filter(|e| e["event"] == kind).collect()
+}
+
+fn step_losses(events: &[Value]) -> Vec<(u64, f64)> {
+    of_kind(events, "step")
+        .iter()
+        .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn train_default_preset_learns_and_its_model_runs() {
+    let runs = scratch("default");
+    let runs_s = runs.to_str().unwrap();
+    // The default command with fewer steps (the full 120 take about a minute).
+    success(&toy(&[
+        "train",
+        "--steps",
+        "25",
+        "--quiet",
+        "--runs-dir",
+        runs_s,
+        "--run-id",
+        "t",
+    ]));
+    let run = runs.join("t");
+    let log = events(&run.join("events.jsonl"));
+    let start = of_kind(&log, "run_start")[0];
+    assert_eq!(start["schema"], "toy/v1");
+    assert_eq!(start["config"]["preset"], "tiny");
+    assert_eq!(start["vocab_size"], 828);
+    let losses = step_losses(&log);
+    assert_eq!(losses.len(), 25);
+    let ln_vocab = 828f64.ln();
+    assert!(losses[0].1 > 0.9 * ln_vocab, "first loss {}", losses[0].1);
+    assert!(
+        losses[24].1 < 0.5 * ln_vocab,
+        "loss after 25 steps {}",
+        losses[24].1
+    );
+    assert_eq!(
+        of_kind(&log, "sample").len(),
+        2,
+        "a sample before and after"
+    );
+    assert_eq!(of_kind(&log, "run_end")[0]["step"], 25);
+
+    let model = run.join("model.gguf");
+    let model_s = model.to_str().unwrap();
+    let out = success(&toy(&[
+        "infer",
+        model_s,
+        "-p",
+        "Once upon a time",
+        "-n",
+        "12",
+        "--temperature",
+        "0",
+        "--json",
+    ]));
+    let out: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(out["prompt_ids"].as_array().unwrap().len(), 5);
+    assert!(!out["ids"].as_array().unwrap().is_empty());
+
+    let corpus = root().join("fixtures/corpus/stories.txt");
+    let out = success(&toy(&[
+        "eval",
+        model_s,
+        "--data",
+        corpus.to_str().unwrap(),
+        "--context",
+        "128",
+        "--chunks",
+        "4",
+        "--json",
+    ]));
+    let out: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(out["windows"], 4);
+    assert_eq!(out["scored"], 4 * 127);
+    assert!(out["mean_nll"].as_f64().unwrap() < 0.5 * ln_vocab, "{out}");
+    std::fs::remove_dir_all(&runs).unwrap();
+}
+
+const SMALL: &[&str] = &[
+    "train",
+    "--quiet",
+    "--layers",
+    "2",
+    "--d-model",
+    "64",
+    "--ffn",
+    "128",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--steps",
+    "60",
+    "--warmup",
+    "5",
+    "--checkpoint-every",
+    "5",
+    "--eval-every",
+    "0",
+    "--seed",
+    "3",
+];
+
+#[test]
+fn train_killed_with_sigkill_resumes_from_its_last_checkpoint() {
+    let runs = scratch("kill");
+    let runs_s = runs.to_str().unwrap();
+    let run = runs.join("k");
+    let log_path = run.join("events.jsonl");
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_toy"))
+        .args(SMALL)
+        .args(["--runs-dir", runs_s, "--run-id", "k"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it once a few checkpoints are down, mid-run.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let log = events(&log_path);
+        if of_kind(&log, "checkpoint").len() >= 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no checkpoint after 300 s");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it was killed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+
+    let log = events(&log_path);
+    assert!(of_kind(&log, "run_end").is_empty(), "killed before the end");
+    let last_ckpt = of_kind(&log, "checkpoint")
+        .iter()
+        .map(|e| e["step"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    // No checkpoint lost: `latest` names one at least as new as the last one reported.
+    let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    let latest_step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
+    assert!(
+        latest_step >= last_ckpt,
+        "latest {latest_step} < reported {last_ckpt}"
+    );
+    for f in ["model.mpk", "optim.mpk", "state.json"] {
+        assert!(
+            run.join("checkpoints")
+                .join(latest.trim())
+                .join(f)
+                .is_file(),
+            "{f}"
+        );
+    }
+
+    // Resume: other training flags are refused; --resume alone finishes the run.
+    let out = toy(&["train", "--resume", run.to_str().unwrap(), "--steps", "9"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
+    success(&toy(&[
+        "train",
+        "--resume",
+        run.to_str().unwrap(),
+        "--quiet",
+    ]));
+
+    let log = events(&log_path);
+    let losses = step_losses(&log);
+    let steps: Vec<u64> = losses.iter().map(|s| s.0).collect();
+    assert_eq!(
+        steps,
+        (1..=60).collect::<Vec<_>>(),
+        "each step once, in order"
+    );
+    let starts = of_kind(&log, "run_start");
+    assert_eq!(starts.len(), 2);
+    assert_eq!(starts[1]["resumed_from_step"], latest_step);
+    assert_eq!(of_kind(&log, "run_end")[0]["step"], 60);
+
+    // The same run without the kill: the same curve, to the bit, and the same model.
+    success(&toy(&[
+        SMALL,
+        &["--runs-dir", runs_s, "--run-id", "straight"],
+    ]
+    .concat()));
+    let straight = events(&runs.join("straight/events.jsonl"));
+    assert_eq!(step_losses(&straight), losses);
+    assert_eq!(
+        std::fs::read(runs.join("straight/model.gguf"))
+            .unwrap()
+            .len(),
+        std::fs::read(run.join("model.gguf")).unwrap().len()
+    );
+    let out = |dir: &str| {
+        success(&toy(&[
+            "infer",
+            runs.join(dir).join("model.gguf").to_str().unwrap(),
+            "-p",
+            "One day",
+            "-n",
+            "16",
+            "--temperature",
+            "0",
+            "--json",
+        ]))
+    };
+    let (a, b): (Value, Value) = (
+        serde_json::from_str(out("k").trim()).unwrap(),
+        serde_json::from_str(out("straight").trim()).unwrap(),
+    );
+    assert_eq!(a["ids"], b["ids"]);
+    std::fs::remove_dir_all(&runs).unwrap();
+}
+
+fn smollm2_f32() -> PathBuf {
+    let cache = std::env::var_os("TOY_MODEL_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
+        });
+    let path = cache.join("SmolLM2-135M-Instruct.F32.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-smollm2.sh first",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn eval_matches_llama_cpp_nll_on_smollm2_f32() {
+    let oracle: Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("fixtures/smollm2/logits.json")).unwrap(),
+    )
+    .unwrap();
+    let ppl = &oracle["models"]["F32"]["ppl"];
+    // The oracle's text lives with the llama.cpp anchors in shared/, beside the repository.
+    let text = root().join("../shared/anchors/llamacpp/ppl_text.txt");
+    assert!(text.is_file(), "{} is missing", text.display());
+    let out = success(&toy(&[
+        "eval",
+        smollm2_f32().to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+        "--context",
+        "512",
+        "--chunks",
+        "1",
+        "--no-bos",
+        "--json",
+    ]));
+    let out: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(out["text_tokens"], ppl["n_text_tokens"]);
+    assert_eq!(out["scored"], ppl["n_scored"]);
+    let (ours, theirs) = (
+        out["mean_nll"].as_f64().unwrap(),
+        ppl["mean_nll"].as_f64().unwrap(),
+    );
+    // Measured: 3.4684925 vs 3.468492 (the fixture's 6 decimals).
+    assert!(
+        (ours - theirs).abs() < 5e-6,
+        "toy {ours:.7} vs llama.cpp {theirs:.6}"
+    );
+    let acc = out["top1_accuracy"].as_f64().unwrap();
+    assert!(
+        (acc - ppl["top1_accuracy"].as_f64().unwrap()).abs() < 1e-5,
+        "top-1 {acc}"
+    );
+}
