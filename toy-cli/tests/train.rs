@@ -323,3 +323,32 @@ fn eval_matches_llama_cpp_nll_on_smollm2_f32() {
         "top-1 {acc}"
     );
 }
+
+#[test]
+fn llama_cpp_runs_a_toy_checkpoint_to_the_same_greedy_tokens() {
+    // `fixtures/corpus/trained/model.gguf` is a `toy train` checkpoint; llama.cpp's greedy tokens
+    // for it were recorded by `make_trained.sh` (llama.cpp loads the file as a plain llama model).
+    let dir = root().join("fixtures/corpus/trained");
+    let oracle: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("llamacpp_greedy.json")).unwrap())
+            .unwrap();
+    let model = dir.join("model.gguf");
+    for case in oracle["greedy"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap();
+        let out = success(&toy(&[
+            "infer",
+            model.to_str().unwrap(),
+            "-p",
+            prompt,
+            "-n",
+            "32",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]));
+        let out: Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(out["prompt_ids"], case["prompt_ids"], "{prompt:?}");
+        assert_eq!(out["ids"], case["gen_ids"], "{prompt:?}");
+    }
+}
