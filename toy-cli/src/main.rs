@@ -59,7 +59,8 @@ enum Command {
     /// Measure prompt processing and generation speed (tokens/s).
     Bench(bench::BenchArgs),
     /// Train a model from scratch (default: the tiny preset on the bundled corpus, ~1 minute).
-    Train(train::TrainArgs),
+    // Boxed: its many flags would make every other variant as large.
+    Train(Box<train::TrainArgs>),
     /// Mean cross-entropy and perplexity of a model on a text file.
     Eval(eval::EvalArgs),
 }
@@ -76,7 +77,7 @@ fn main() -> ExitCode {
         Command::Describe(args) => describe::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Bench(args) => bench::run(cli.backend, args),
-        Command::Train(args) => train::run(cli.backend, args),
+        Command::Train(args) => train::run(cli.backend, *args),
         Command::Eval(args) => eval::run(cli.backend, args),
     };
     match result {

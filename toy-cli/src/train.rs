@@ -255,6 +255,13 @@ fn new_run(args: &TrainArgs) -> Result<(RunDir, TrainConfig)> {
     };
     let data_files = args.data.iter().map(absolute).collect::<Result<Vec<_>>>()?;
     let tokenizer_file = args.tokenizer.as_ref().map(absolute).transpose()?;
+    // Refuse a bad shape or schedule before creating anything on disk.
+    args.config(DataConfig {
+        files: vec![PathBuf::from("(checked later)")],
+        tokenizer: PathBuf::new(),
+        val_fraction: 0.05,
+    })
+    .check()?;
     let run = RunDir::create(&args.runs_dir, &id)?;
     let bundled = run
         .path

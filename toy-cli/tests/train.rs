@@ -352,3 +352,31 @@ fn llama_cpp_runs_a_toy_checkpoint_to_the_same_greedy_tokens() {
         assert_eq!(out["ids"], case["gen_ids"], "{prompt:?}");
     }
 }
+
+#[test]
+fn train_refuses_bad_settings_before_creating_a_run() {
+    let runs = scratch("bad");
+    let runs_s = runs.to_str().unwrap();
+    for (args, needle) in [
+        (&["--heads", "3"][..], "kv heads"),
+        (&["--seq-len", "512"][..], "longer than the model's context"),
+        (&["--lr", "0"][..], "learning rate"),
+        (&["--data", "/nonexistent/file.txt"][..], "does not exist"),
+    ] {
+        let out = toy(&[&["train", "--runs-dir", runs_s, "--run-id", "r"], args].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        let last = stderr.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("error: ") && last.contains(needle),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            !runs.join("r").exists(),
+            "{args:?} left a run directory behind"
+        );
+    }
+    let out = toy(&["train", "--resume", runs_s]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
+}
