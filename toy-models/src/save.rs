@@ -34,6 +34,10 @@ pub enum SaveError {
     },
     #[error("metadata key {0:?} is written by the model saver; do not pass it as extra metadata")]
     ReservedKey(String),
+    #[error(
+        "this model has {0}, which a GGUF `llama` file cannot express; saving other architectures is not supported yet"
+    )]
+    Architecture(&'static str),
     #[error("cannot read tensor {name} back from the device: {reason}")]
     Readback { name: String, reason: String },
 }
@@ -49,6 +53,17 @@ pub fn to_gguf<B: Backend>(
     config: &LlamaConfig,
     extra: &[(String, Value)],
 ) -> Result<GgufWriter<'static>, SaveError> {
+    // The llama architecture in llama.cpp: interleaved RoPE, no attention biases, no Q/K norms.
+    // Writing such a model as `llama` would load without error and compute something else.
+    if config.attn_bias {
+        return Err(SaveError::Architecture("attention biases (qwen2)"));
+    }
+    if config.qk_norm {
+        return Err(SaveError::Architecture("per-head Q/K norms (qwen3)"));
+    }
+    if !config.rope_interleaved {
+        return Err(SaveError::Architecture("half-split (neox) RoPE"));
+    }
     let mut w = GgufWriter::new();
     w.set("general.architecture", Value::String("llama".into()))?;
     for (key, value) in extra {

@@ -115,3 +115,18 @@ fn save_refuses_reserved_metadata() {
     assert!(matches!(err, SaveError::ReservedKey(_)), "{err}");
     assert!(!temp_path("never.gguf").exists());
 }
+
+#[test]
+fn save_refuses_what_llama_gguf_cannot_express() {
+    let base = LlamaConfig::new(1, 16, 2, 2, 8, 16, 10, 16);
+    for config in [
+        base.clone().with_attn_bias(true),
+        base.clone().with_qk_norm(true),
+        base.clone().with_rope_interleaved(false),
+    ] {
+        let model: Transformer<Flex> = config.init(&Default::default());
+        let err = save(&model, &config, &[], temp_path("never2.gguf")).unwrap_err();
+        assert!(matches!(err, SaveError::Architecture(_)), "{err}");
+    }
+    assert!(!temp_path("never2.gguf").exists());
+}
