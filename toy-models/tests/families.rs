@@ -5,15 +5,15 @@
 //! Tolerance for logits: 2e-6, the oracle's print precision — the CPU backend computes these
 //! Q8_0 models the way llama.cpp does, bit for bit (docs/correctness.md).
 
+mod common;
+
 use std::path::PathBuf;
 
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
 use toy_core::gguf::GgufFile;
-use toy_core::sampling::{Sampler, SamplingParams};
 use toy_core::tokenizer::Tokenizer;
-use toy_models::generate::{GenerateOptions, generate};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/models")).join(name)
@@ -47,23 +47,7 @@ fn check(name: &str, arch: &str) {
             "{arch}: tokens of {text:?}"
         );
         let want = ids(&case["gen_ids"]);
-        let options = GenerateOptions {
-            max_new_tokens: want.len(),
-            stop_at_eog: false,
-        };
-        let mut sampler = Sampler::new(SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        });
-        let (got, _) = generate(
-            &model,
-            &prompt,
-            &options,
-            &mut sampler,
-            |_| false,
-            |_| std::ops::ControlFlow::Continue(()),
-        )
-        .unwrap();
+        let got = common::greedy(&model, &prompt, want.len());
         assert_eq!(got, want, "{arch}: greedy ids after {text:?}");
     }
 

@@ -10,8 +10,6 @@ mod common;
 
 use burn::backend::Flex;
 use toy_core::gguf::GgufFile;
-use toy_core::sampling::{Sampler, SamplingParams};
-use toy_models::generate::{GenerateOptions, generate};
 
 /// Greedy ids for every oracle prompt of `kind`, checked against llama.cpp.
 fn check_greedy(kind: &str, margin_threshold: f64) {
@@ -48,23 +46,7 @@ fn check_greedy(kind: &str, margin_threshold: f64) {
             .iter()
             .position(|&m| m < margin_threshold)
             .unwrap_or(expected.len());
-        let options = GenerateOptions {
-            max_new_tokens: expected.len(),
-            stop_at_eog: false,
-        };
-        let mut sampler = Sampler::new(SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        });
-        let (ids, _) = generate(
-            &model,
-            &prompt,
-            &options,
-            &mut sampler,
-            |_| false,
-            |_| std::ops::ControlFlow::Continue(()),
-        )
-        .unwrap();
+        let ids = common::greedy(&model, &prompt, expected.len());
         let common = ids
             .iter()
             .zip(&expected)

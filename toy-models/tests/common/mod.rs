@@ -1,6 +1,14 @@
+// Each test binary uses a subset of these helpers.
+#![allow(dead_code)]
+
 //! Shared by the tests that run the real SmolLM2-135M-Instruct.
 
 use std::path::PathBuf;
+
+use burn::backend::Flex;
+use toy_core::sampling::{Sampler, SamplingParams};
+use toy_models::Transformer;
+use toy_models::generate::{GenerateOptions, generate};
 
 /// `SmolLM2-135M-Instruct.<kind>.gguf` in the model cache (`TOY_MODEL_CACHE`, default
 /// `~/.cache/toy-models`), as `scripts/fetch-smollm2.sh` leaves it. Fails loudly if it is missing:
@@ -24,4 +32,20 @@ pub fn smollm2(kind: &str) -> PathBuf {
 pub fn oracle(name: &str) -> serde_json::Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/smollm2/").to_string() + name;
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// `n` greedy ids after `prompt`, not stopping at end-of-generation tokens (as the oracle runs).
+pub fn greedy(model: &Transformer<Flex>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let options = GenerateOptions {
+        max_new_tokens: n,
+        stop_at_eog: false,
+    };
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    });
+    let keep_going = |_| std::ops::ControlFlow::Continue(());
+    generate(model, prompt, &options, &mut sampler, |_| false, keep_going)
+        .unwrap()
+        .0
 }
