@@ -290,8 +290,8 @@ fn eval_matches_llama_cpp_nll_on_smollm2_f32() {
     )
     .unwrap();
     let ppl = &oracle["models"]["F32"]["ppl"];
-    // The oracle's text lives with the llama.cpp anchors in shared/, beside the repository.
-    let text = root().join("../shared/anchors/llamacpp/ppl_text.txt");
+    // The text llama.cpp's perplexity oracle scored (copied from the shared anchors).
+    let text = root().join("fixtures/smollm2/ppl_text.txt");
     assert!(text.is_file(), "{} is missing", text.display());
     let out = success(&toy(&[
         "eval",
