@@ -67,9 +67,7 @@ impl ToyBackend for Flex {
         let mut out = vec![0.0f32; us.len()];
         out.par_chunks_mut(d)
             .zip(gs.par_chunks(d).zip(us.par_chunks(d)))
-            .for_each(|(y, (g, u))| {
-                swiglu_row(g, u, y);
-            });
+            .for_each(|(y, (g, u))| swiglu_row(g, u, y));
         FlexTensor::from_data(TensorData::new(out, shape))
     }
 
@@ -146,19 +144,20 @@ impl ToyBackend for Flex {
     }
 }
 
-/// Defines `$name`, which runs `$imp` compiled with FMA instructions when the CPU has them.
-/// `f32::mul_add` is an exact but slow library call unless FMA is enabled at compile time; an
-/// FMA is exactly rounded either way, so both builds give the same bits.
+/// Defines `$name`, which runs `$imp` compiled with AVX2 and FMA when the CPU has them.
+/// `f32::mul_add` and `round_ties_even` are exact but slow library calls unless those features
+/// are enabled at compile time; the instructions round exactly as the calls do, so both builds
+/// give the same bits.
 macro_rules! with_fma {
     (fn $name:ident = $imp:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
         fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "fma")]
+                #[target_feature(enable = "avx2,fma")]
                 unsafe fn fast($($arg: $ty),*) $(-> $ret)? {
                     $imp($($arg),*)
                 }
-                if std::is_x86_feature_detected!("fma") {
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                     // SAFETY: the CPU has the feature `fast` is compiled for.
                     return unsafe { fast($($arg),*) };
                 }
@@ -387,9 +386,12 @@ struct QuantRow {
     sums: Vec<f32>,
 }
 
+with_fma!(fn quantize_row = quantize_row_impl(x: &[f32]) -> QuantRow);
+
 /// ggml's `quantize_row_q8_0` / `quantize_row_q8_1` (x86 path): `d = amax / 127` stored as
 /// f16, `q = round_half_even(x * 127 / amax)`, and for Q8_1 `s = f16(d * Σq)` with the unrounded d.
-fn quantize_row(x: &[f32]) -> QuantRow {
+#[inline(always)]
+fn quantize_row_impl(x: &[f32]) -> QuantRow {
     let mut quants = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(x.len() / BLOCK);
     let mut sums = Vec::with_capacity(x.len() / BLOCK);
@@ -682,24 +684,24 @@ impl Operands {
         // columns (one column is too little work to hand to a thread), four columns per call.
         const COLS: usize = 16;
         let mut out_t = vec![0.0f32; n * m];
-        out_t
-            .par_chunks_mut(m * COLS)
-            .enumerate()
-            .for_each(|(g, cols)| {
-                let ncols = cols.len() / m;
-                for c0 in (0..ncols).step_by(4) {
-                    // Past the last column, repeat it (computed, not stored).
-                    let parts: [_; 4] =
-                        std::array::from_fn(|r| weight(g * COLS + (c0 + r).min(ncols - 1)));
-                    let (w, s, mn) = (parts.map(|p| p.0), parts.map(|p| p.1), parts.map(|p| p.2));
-                    for (i, row) in rows.iter().enumerate() {
-                        let y = dot4(format, row, w, s, mn);
-                        for (r, &v) in y.iter().enumerate().take(ncols - c0) {
-                            cols[(c0 + r) * m + i] = v;
-                        }
+        let work = |(g, cols): (usize, &mut [f32])| {
+            let ncols = cols.len() / m;
+            for c0 in (0..ncols).step_by(4) {
+                // Past the last column, repeat it (computed, not stored).
+                let parts: [_; 4] =
+                    std::array::from_fn(|r| weight(g * COLS + (c0 + r).min(ncols - 1)));
+                let (w, s, mn) = (parts.map(|p| p.0), parts.map(|p| p.1), parts.map(|p| p.2));
+                for (i, row) in rows.iter().enumerate() {
+                    let y = dot4(format, row, w, s, mn);
+                    for (r, &v) in y.iter().enumerate().take(ncols - c0) {
+                        cols[(c0 + r) * m + i] = v;
                     }
                 }
-            });
+            }
+        };
+        // Even a decode step's small projections gain from both cores: measured, running them on
+        // one thread to save the pool's wake-up made decode 35% slower.
+        out_t.par_chunks_mut(m * COLS).enumerate().for_each(work);
         let out = if m == 1 {
             out_t
         } else {
