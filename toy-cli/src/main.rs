@@ -9,6 +9,7 @@ mod convert;
 mod describe;
 mod eval;
 mod infer;
+mod runs;
 mod tokenize;
 mod train;
 
@@ -63,6 +64,8 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Mean cross-entropy and perplexity of a model on a text file.
     Eval(eval::EvalArgs),
+    /// List training runs with their losses (`toy runs plot RUN…` draws their loss curves).
+    Runs(runs::RunsArgs),
 }
 
 fn main() -> ExitCode {
@@ -79,6 +82,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(cli.backend, args),
         Command::Train(args) => train::run(cli.backend, *args),
         Command::Eval(args) => eval::run(cli.backend, args),
+        Command::Runs(args) => runs::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,7 +1,7 @@
 //! `toy train` and `toy eval` end to end: the default preset learns the bundled corpus and its
 //! checkpoint runs in `toy infer` and `toy eval`; a run killed with SIGKILL resumes from its last
 //! checkpoint, loses none, and finishes on the exact loss curve of an uninterrupted run; `toy
-//! eval` reproduces llama.cpp's NLL on SmolLM2.
+//! eval` reproduces llama.cpp's NLL on SmolLM2; `toy runs` lists and plots runs.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -126,6 +126,43 @@ fn train_default_preset_learns_and_its_model_runs() {
     assert_eq!(out["windows"], 4);
     assert_eq!(out["scored"], 4 * 127);
     assert!(out["mean_nll"].as_f64().unwrap() < 0.5 * ln_vocab, "{out}");
+
+    // `toy runs` summarizes the run from its log; `toy runs plot` draws its curve.
+    let listed: Value =
+        serde_json::from_str(success(&toy(&["runs", "--dir", runs_s, "--json"])).trim()).unwrap();
+    let listed = &listed.as_array().unwrap()[0];
+    assert_eq!(
+        (listed["id"].as_str(), listed["finished"].as_bool()),
+        (Some("t"), Some(true))
+    );
+    assert_eq!(
+        (
+            listed["steps_done"].as_u64(),
+            listed["steps_total"].as_u64()
+        ),
+        (Some(25), Some(25))
+    );
+    assert_eq!(listed["loss"].as_f64(), Some(losses[24].1));
+    let table = success(&toy(&["runs", "--dir", runs_s]));
+    assert!(
+        table.contains("from-scratch tiny") && table.contains("25/25"),
+        "{table}"
+    );
+    let svg = runs.join("loss.svg");
+    success(&toy(&[
+        "runs",
+        "--dir",
+        runs_s,
+        "plot",
+        "t",
+        "-o",
+        svg.to_str().unwrap(),
+    ]));
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 1);
+    assert_eq!(svg.matches("<circle").count(), of_kind(&log, "eval").len());
+    let missing = toy(&["runs", "--dir", runs_s, "plot", "nope"]);
+    assert!(!missing.status.success() && String::from_utf8_lossy(&missing.stderr).contains("nope"));
     std::fs::remove_dir_all(&runs).unwrap();
 }
 

@@ -19,6 +19,7 @@ pub mod eval;
 pub mod events;
 pub mod init;
 pub mod optim;
+pub mod report;
 pub mod schedule;
 pub mod trainer;
 
