@@ -41,6 +41,9 @@ pub struct EvalArgs {
     /// Do not add BOS to the text even where the tokenizer asks for it.
     #[arg(long)]
     pub no_bos: bool,
+    /// Also print every scored token's log-probability with the K most likely alternatives.
+    #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "5")]
+    pub logprobs: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -72,6 +75,7 @@ impl BackendJob for EvalJob {
             },
             bos,
             max_windows: args.chunks,
+            logprobs: args.logprobs,
         };
         let bar = ProgressBar::new(0).with_style(
             ProgressStyle::with_template("evaluating [{bar:30}] {pos}/{len} windows, ETA {eta}")
@@ -97,6 +101,20 @@ impl BackendJob for EvalJob {
                 "perplexity": result.perplexity,
                 "top1_accuracy": result.top1_accuracy,
             });
+            let mut json = json;
+            if let Some(tokens) = &result.tokens {
+                json["tokens"] = tokens
+                    .iter()
+                    .map(|t| {
+                        let top: Vec<_> = t
+                            .top
+                            .iter()
+                            .map(|&(id, lp)| serde_json::json!({"id": id, "text": piece(&tokenizer, id), "logprob": lp}))
+                            .collect();
+                        serde_json::json!({"pos": t.pos, "id": t.id, "text": piece(&tokenizer, t.id), "logprob": t.logprob, "top": top})
+                    })
+                    .collect();
+            }
             writeln!(out, "{json}")?;
         } else {
             writeln!(
@@ -110,9 +128,29 @@ impl BackendJob for EvalJob {
                 result.perplexity,
                 100.0 * result.top1_accuracy
             )?;
+            for t in result.tokens.iter().flatten() {
+                let top: Vec<String> = t
+                    .top
+                    .iter()
+                    .map(|&(id, lp)| format!("{:?} {lp:.3}", piece(&tokenizer, id)))
+                    .collect();
+                writeln!(
+                    out,
+                    "{:>6} {:<16} {:>9.4}   {}",
+                    t.pos,
+                    format!("{:?}", piece(&tokenizer, t.id)),
+                    t.logprob,
+                    top.join(", ")
+                )?;
+            }
         }
         Ok(())
     }
+}
+
+/// A token's text (lossy where the piece is a partial UTF-8 sequence).
+fn piece(tokenizer: &Tokenizer, id: u32) -> String {
+    String::from_utf8_lossy(tokenizer.token_bytes(id)).into_owned()
 }
 
 pub fn run(backend: BackendKind, args: EvalArgs) -> Result<()> {

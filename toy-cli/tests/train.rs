@@ -417,3 +417,58 @@ fn train_refuses_bad_settings_before_creating_a_run() {
     let out = toy(&["train", "--resume", runs_s]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
 }
+
+/// `toy eval --logprobs`: every token's log-probability and its top alternatives equal
+/// llama.cpp's for the oracle's 16-token prompt on SmolLM2 Q8_0 (bit-exact logits; the oracle
+/// rounds log-probs to 1e-6).
+#[test]
+fn eval_logprobs_match_llama_cpp() {
+    let oracle: Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("fixtures/smollm2/logits.json")).unwrap(),
+    )
+    .unwrap();
+    let case = &oracle["models"]["Q8_0"]["sixteen_per_position_top5"];
+    let dir = scratch("logprobs");
+    let text = dir.join("prompt.txt");
+    std::fs::write(&text, case["prompt"].as_str().unwrap()).unwrap();
+    let model = smollm2_f32().with_file_name("SmolLM2-135M-Instruct.Q8_0.gguf");
+    let out = success(&toy(&[
+        "eval",
+        model.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+        "--context",
+        "16",
+        "--logprobs",
+        "5",
+        "--json",
+    ]));
+    let out: Value = serde_json::from_str(out.trim()).unwrap();
+    let tokens = out["tokens"].as_array().unwrap();
+    let positions = case["positions"].as_array().unwrap();
+    assert_eq!(tokens.len(), 15, "every token after the first is scored");
+    for t in tokens {
+        let pos = t["pos"].as_u64().unwrap() as usize;
+        let want = &positions[pos - 1];
+        assert_eq!(t["id"], case["ids"][pos]);
+        let close = |a: &Value, b: f64| (a.as_f64().unwrap() - b).abs() < 2e-6;
+        assert!(
+            close(&t["logprob"], want["next_logprob"].as_f64().unwrap()),
+            "pos {pos}: {t}"
+        );
+        let lse = want["logsumexp"].as_f64().unwrap();
+        for (got, top) in t["top"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(want["top"].as_array().unwrap())
+        {
+            assert_eq!(got["id"], top[0], "pos {pos}");
+            assert!(
+                close(&got["logprob"], top[1].as_f64().unwrap() - lse),
+                "pos {pos}: {got}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

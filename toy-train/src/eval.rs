@@ -39,6 +39,20 @@ pub struct EvalOptions {
     pub bos: Option<u32>,
     /// Evaluate at most this many windows.
     pub max_windows: Option<usize>,
+    /// Also report every scored token's log-probability with this many top alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// One scored token: its log-probability and the most likely alternatives at its position.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// Index of the token in the evaluated sequence.
+    pub pos: usize,
+    pub id: u32,
+    /// `ln p(token | everything before it in its window)`.
+    pub logprob: f64,
+    /// The `k` most likely tokens at this position, most likely first (ties: lowest id).
+    pub top: Vec<(u32, f64)>,
 }
 
 /// The result of an evaluation.
@@ -52,6 +66,9 @@ pub struct EvalResult {
     pub windows: usize,
     /// Fraction of scored tokens that were the model's top-1 prediction.
     pub top1_accuracy: f64,
+    /// Per-token log-probabilities, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<Vec<TokenLogprob>>,
 }
 
 impl EvalResult {
@@ -63,6 +80,7 @@ impl EvalResult {
             scored,
             windows,
             top1_accuracy: correct as f64 / scored.max(1) as f64,
+            tokens: None,
         }
     }
 }
@@ -75,7 +93,8 @@ fn score<B: ToyBackend>(
     model: &Transformer<B>,
     inputs: Tensor<B, 2, Int>,
     targets: &[u32],
-) -> Result<(Vec<f64>, Vec<bool>), TrainError> {
+    top_k: usize,
+) -> Result<Scores, TrainError> {
     let logits = model.forward(inputs, &mut model.new_cache());
     let vocab = logits.dims()[2];
     let logits = logits
@@ -83,8 +102,7 @@ fn score<B: ToyBackend>(
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| TrainError::Backend(format!("{e:?}")))?;
-    let mut nll = Vec::with_capacity(targets.len());
-    let mut hit = Vec::with_capacity(targets.len());
+    let mut scores = Scores::default();
     for (row, &target) in logits.chunks_exact(vocab).zip(targets) {
         // Argmax with ties to the lowest id.
         let (best, max) =
@@ -101,10 +119,35 @@ fn score<B: ToyBackend>(
                 "token id {target} is outside the model's vocabulary of {vocab}"
             )));
         }
-        nll.push(logsumexp - row[target] as f64);
-        hit.push(best == target);
+        scores.nll.push(logsumexp - row[target] as f64);
+        scores.hit.push(best == target);
+        if top_k > 0 {
+            let mut order: Vec<u32> = (0..vocab as u32).collect();
+            let k = top_k.min(vocab);
+            // Largest logits first, ties to the lowest id; only the first k need ordering.
+            let cmp =
+                |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+            order.select_nth_unstable_by(k - 1, cmp);
+            order.truncate(k);
+            order.sort_by(cmp);
+            scores.top.push(
+                order
+                    .iter()
+                    .map(|&i| (i, row[i as usize] as f64 - logsumexp))
+                    .collect(),
+            );
+        }
     }
-    Ok((nll, hit))
+    Ok(scores)
+}
+
+/// Per-position results of [`score`].
+#[derive(Default)]
+struct Scores {
+    nll: Vec<f64>,
+    hit: Vec<bool>,
+    /// Top-k `(id, logprob)` per position, when asked for.
+    top: Vec<Vec<(u32, f64)>>,
 }
 
 /// Mean NLL over held-out batches (every position scored).
@@ -121,10 +164,10 @@ pub fn evaluate_batches<B: ToyBackend>(
             .chunks_exact(batch.seq_len + 1)
             .flat_map(|w| w[1..].iter().copied())
             .collect();
-        let (n, h) = score(model, inputs, &targets)?;
-        nll += n.iter().sum::<f64>();
-        correct += h.iter().filter(|&&x| x).count();
-        scored += n.len();
+        let s = score(model, inputs, &targets, 0)?;
+        nll += s.nll.iter().sum::<f64>();
+        correct += s.hit.iter().filter(|&&x| x).count();
+        scored += s.nll.len();
     }
     Ok(EvalResult::from_sums(nll, correct, scored, batches.len()))
 }
@@ -185,6 +228,7 @@ pub fn perplexity<B: ToyBackend>(
     };
     let device = model.token_embd.weight.val().device();
     let (mut nll, mut correct, mut scored) = (0.0, 0, 0);
+    let mut details = Vec::new();
     for (i, w) in windows.iter().enumerate() {
         let ids: Vec<i64> = w.iter().map(|&t| t as i64).collect();
         let n = ids.len();
@@ -193,11 +237,26 @@ pub fn perplexity<B: ToyBackend>(
             0,
             n - 1,
         );
-        let (nl, hit) = score(model, inputs, &w[1..])?;
-        nll += nl[first..].iter().sum::<f64>();
-        correct += hit[first..].iter().filter(|&&x| x).count();
-        scored += nl.len() - first;
+        let s = score(model, inputs, &w[1..], options.logprobs.unwrap_or(0))?;
+        nll += s.nll[first..].iter().sum::<f64>();
+        correct += s.hit[first..].iter().filter(|&&x| x).count();
+        scored += s.nll.len() - first;
+        if options.logprobs.is_some() {
+            // Window i starts at token i·n_ctx; its position j predicts token j + 1.
+            for j in first..s.nll.len() {
+                details.push(TokenLogprob {
+                    pos: i * n_ctx + j + 1,
+                    id: w[j + 1],
+                    logprob: -s.nll[j],
+                    top: s.top[j].clone(),
+                });
+            }
+        }
         progress(i + 1, windows.len());
     }
-    Ok(EvalResult::from_sums(nll, correct, scored, windows.len()))
+    let mut result = EvalResult::from_sums(nll, correct, scored, windows.len());
+    if options.logprobs.is_some() {
+        result.tokens = Some(details);
+    }
+    Ok(result)
 }
