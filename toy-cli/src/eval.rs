@@ -1,14 +1,17 @@
 //! `toy eval`: mean cross-entropy and perplexity of a model on a text file.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use clap::{Args, ValueEnum};
+use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use toy_core::config::ModelConfig;
+use toy_core::gguf::GgufFile;
 use toy_core::tokenizer::Tokenizer;
 use toy_kernels::ToyBackend;
 use toy_train::eval::{EvalOptions, Scoring, perplexity};
+use toy_train::lmc::interpolate;
 
 use crate::backend::{BackendJob, BackendKind, dispatch};
 use crate::infer::load_model;
@@ -23,12 +26,59 @@ pub enum Method {
 }
 
 #[derive(Args, Debug, Clone)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct EvalArgs {
+    #[command(subcommand)]
+    pub command: Option<EvalCommand>,
     /// The model, a GGUF file.
-    pub model: PathBuf,
+    #[arg(required = true)]
+    pub model: Option<PathBuf>,
+    /// The text to evaluate on (UTF-8).
+    #[arg(long, required = true)]
+    pub data: Option<PathBuf>,
+    #[command(flatten)]
+    pub window: WindowArgs,
+    /// Also print every scored token's log-probability with the K most likely alternatives.
+    #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "5")]
+    pub logprobs: Option<usize>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum EvalCommand {
+    /// Linear mode connectivity: evaluate the models (1 − α)·A + α·B along the line between two
+    /// checkpoints of the same architecture.
+    Lmc(LmcArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LmcArgs {
+    /// The model at α = 0.
+    pub a: PathBuf,
+    /// The model at α = 1.
+    pub b: PathBuf,
     /// The text to evaluate on (UTF-8).
     #[arg(long)]
     pub data: PathBuf,
+    /// Interpolation points.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"
+    )]
+    pub alphas: Vec<f32>,
+    #[command(flatten)]
+    pub window: WindowArgs,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// How the text is cut into windows and which positions are scored.
+#[derive(Args, Debug, Clone)]
+pub struct WindowArgs {
     /// Window length in tokens (default: 512, or the model's context if shorter).
     #[arg(long, short = 'c')]
     pub context: Option<usize>,
@@ -41,12 +91,37 @@ pub struct EvalArgs {
     /// Do not add BOS to the text even where the tokenizer asks for it.
     #[arg(long)]
     pub no_bos: bool,
-    /// Also print every scored token's log-probability with the K most likely alternatives.
-    #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "5")]
-    pub logprobs: Option<usize>,
-    /// Print one JSON object instead of text.
-    #[arg(long)]
-    pub json: bool,
+}
+
+impl WindowArgs {
+    /// The text's tokens and the evaluation options for a model of `context_length`.
+    fn prepare(
+        &self,
+        tokenizer: &Tokenizer,
+        data: &Path,
+        context_length: usize,
+        logprobs: Option<usize>,
+    ) -> Result<(Vec<u32>, EvalOptions)> {
+        let text = std::fs::read_to_string(data)
+            .with_context(|| format!("cannot read {} as UTF-8 text", data.display()))?;
+        let add_bos = !self.no_bos;
+        let tokens = tokenizer.encode(&text, add_bos, true)?;
+        let bos = match self.method {
+            Method::Llama if add_bos && tokenizer.adds_bos() => tokenizer.bos_id(),
+            _ => None,
+        };
+        let options = EvalOptions {
+            context: self.context.unwrap_or(512.min(context_length)),
+            scoring: match self.method {
+                Method::All => Scoring::All,
+                Method::Llama => Scoring::SecondHalf,
+            },
+            bos,
+            max_windows: self.chunks,
+            logprobs,
+        };
+        Ok((tokens, options))
+    }
 }
 
 struct EvalJob(EvalArgs);
@@ -56,27 +131,20 @@ impl BackendJob for EvalJob {
 
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
         let args = self.0;
-        let (file, _config, model) = load_model::<B>(&args.model, &device)?;
+        let model_path = args
+            .model
+            .as_deref()
+            .context("give the model to evaluate")?;
+        let data = args
+            .data
+            .as_deref()
+            .context("give the text to evaluate on with --data")?;
+        let (file, _config, model) = load_model::<B>(model_path, &device)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let text = std::fs::read_to_string(&args.data)
-            .with_context(|| format!("cannot read {} as UTF-8 text", args.data.display()))?;
-        let add_bos = !args.no_bos;
-        let tokens = tokenizer.encode(&text, add_bos, true)?;
-        let context = args.context.unwrap_or(512.min(model.context_length));
-        let bos = match args.method {
-            Method::Llama if add_bos && tokenizer.adds_bos() => tokenizer.bos_id(),
-            _ => None,
-        };
-        let options = EvalOptions {
-            context,
-            scoring: match args.method {
-                Method::All => Scoring::All,
-                Method::Llama => Scoring::SecondHalf,
-            },
-            bos,
-            max_windows: args.chunks,
-            logprobs: args.logprobs,
-        };
+        let (tokens, options) =
+            args.window
+                .prepare(&tokenizer, data, model.context_length, args.logprobs)?;
+        let context = options.context;
         let bar = ProgressBar::new(0).with_style(
             ProgressStyle::with_template("evaluating [{bar:30}] {pos}/{len} windows, ETA {eta}")
                 .expect("static template"),
@@ -90,8 +158,8 @@ impl BackendJob for EvalJob {
         let mut out = std::io::stdout().lock();
         if args.json {
             let json = serde_json::json!({
-                "model": args.model,
-                "data": args.data,
+                "model": model_path,
+                "data": data,
                 "method": options.scoring,
                 "context": context,
                 "text_tokens": tokens.len(),
@@ -153,6 +221,84 @@ fn piece(tokenizer: &Tokenizer, id: u32) -> String {
     String::from_utf8_lossy(tokenizer.token_bytes(id)).into_owned()
 }
 
+struct LmcJob(LmcArgs);
+
+impl BackendJob for LmcJob {
+    type Output = ();
+
+    fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
+        let args = self.0;
+        let open =
+            |p: &Path| GgufFile::open(p).with_context(|| format!("cannot open {}", p.display()));
+        let (a, b) = (open(&args.a)?, open(&args.b)?);
+        let tokenizer = Tokenizer::from_gguf(&a)?;
+        let context_length = ModelConfig::from_gguf(&a)?.context_length;
+        let (tokens, options) =
+            args.window
+                .prepare(&tokenizer, &args.data, context_length, None)?;
+        let bar = ProgressBar::new(args.alphas.len() as u64).with_style(
+            ProgressStyle::with_template("interpolating [{bar:30}] {pos}/{len} {msg}")
+                .expect("static template"),
+        );
+        let mut rows = Vec::new();
+        for &alpha in &args.alphas {
+            bar.set_message(format!("α = {alpha}"));
+            let mixed = interpolate(&a, &b, alpha)?;
+            let (_, model) = toy_models::load::<B>(&mixed, &device, |_, _| {})?;
+            let r = perplexity(&model, &tokens, &options, |_, _| {})?;
+            rows.push((alpha, r));
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        // The barrier: how far the loss along the line rises above the straight line between
+        // the endpoints' losses (0 when the two models are linearly connected).
+        let (first, last) = (&rows[0], &rows[rows.len() - 1]);
+        let barrier = rows
+            .iter()
+            .map(|(alpha, r)| {
+                let t = (alpha - first.0) / (last.0 - first.0).max(f32::EPSILON);
+                r.mean_nll - ((1.0 - t as f64) * first.1.mean_nll + t as f64 * last.1.mean_nll)
+            })
+            .fold(0.0f64, f64::max);
+        let mut out = std::io::stdout().lock();
+        if args.json {
+            let points: Vec<_> = rows
+                .iter()
+                .map(|(alpha, r)| serde_json::json!({"alpha": alpha, "mean_nll": r.mean_nll, "perplexity": r.perplexity, "top1_accuracy": r.top1_accuracy}))
+                .collect();
+            let json = serde_json::json!({"a": args.a, "b": args.b, "data": args.data, "context": options.context, "scored": first.1.scored, "points": points, "barrier": barrier});
+            writeln!(out, "{json}")?;
+        } else {
+            writeln!(
+                out,
+                "{:>6}  {:>10}  {:>11}",
+                "alpha", "mean NLL", "perplexity"
+            )?;
+            for (alpha, r) in &rows {
+                writeln!(
+                    out,
+                    "{alpha:>6.2}  {:>10.5}  {:>11.4}",
+                    r.mean_nll, r.perplexity
+                )?;
+            }
+            writeln!(
+                out,
+                "barrier: {barrier:.5} nats ({} tokens scored per point)",
+                first.1.scored
+            )?;
+        }
+        Ok(())
+    }
+}
+
 pub fn run(backend: BackendKind, args: EvalArgs) -> Result<()> {
-    dispatch(backend, EvalJob(args))
+    match args.command.clone() {
+        Some(EvalCommand::Lmc(lmc)) => {
+            if lmc.alphas.is_empty() {
+                anyhow::bail!("give at least one α with --alphas");
+            }
+            dispatch(backend, LmcJob(lmc))
+        }
+        None => dispatch(backend, EvalJob(args)),
+    }
 }

@@ -472,3 +472,58 @@ fn eval_logprobs_match_llama_cpp() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `toy eval lmc`: the interpolation's endpoints are exactly the two models (the same NLL as
+/// `toy eval` of each), a model against itself has no barrier, and two differently seeded runs
+/// do have one.
+#[test]
+fn eval_lmc_interpolates_between_checkpoints() {
+    let runs = scratch("lmc");
+    let runs_s = runs.to_str().unwrap();
+    for (id, seed) in [("a", "3"), ("b", "4")] {
+        let mut args = SMALL.to_vec();
+        let set = |args: &mut Vec<&str>, flag: &str, value: &'static str| {
+            let at = args.iter().position(|&a| a == flag).unwrap();
+            args[at + 1] = value;
+        };
+        set(&mut args, "--seed", seed);
+        set(&mut args, "--steps", "20");
+        args.extend(["--runs-dir", runs_s, "--run-id", id]);
+        success(&toy(&args));
+    }
+    let (a, b) = (runs.join("a/model.gguf"), runs.join("b/model.gguf"));
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let corpus = root().join("fixtures/corpus/stories.txt");
+    let data = [
+        "--data",
+        corpus.to_str().unwrap(),
+        "--context",
+        "32",
+        "--chunks",
+        "16",
+    ];
+    let eval = |model: &str| -> f64 {
+        let out: Value = serde_json::from_str(
+            success(&toy(&[&["eval", model, "--json"][..], &data].concat())).trim(),
+        )
+        .unwrap();
+        out["mean_nll"].as_f64().unwrap()
+    };
+    let lmc = |x: &str, y: &str| -> Value {
+        let args = [
+            &["eval", "lmc", x, y, "--alphas", "0,0.5,1", "--json"][..],
+            &data,
+        ]
+        .concat();
+        serde_json::from_str(success(&toy(&args)).trim()).unwrap()
+    };
+    let line = lmc(a, b);
+    let points = line["points"].as_array().unwrap();
+    assert_eq!(points.len(), 3);
+    assert_eq!(points[0]["mean_nll"].as_f64().unwrap(), eval(a));
+    assert_eq!(points[2]["mean_nll"].as_f64().unwrap(), eval(b));
+    assert!(line["barrier"].as_f64().unwrap() > 0.0, "{line}");
+    let same = lmc(a, a);
+    assert_eq!(same["barrier"].as_f64().unwrap(), 0.0, "{same}");
+    std::fs::remove_dir_all(&runs).unwrap();
+}

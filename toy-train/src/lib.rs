@@ -18,6 +18,7 @@ pub mod data;
 pub mod eval;
 pub mod events;
 pub mod init;
+pub mod lmc;
 pub mod optim;
 pub mod report;
 pub mod schedule;
