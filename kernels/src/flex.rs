@@ -606,7 +606,8 @@ fn dot4_impl() -> Dot4Fn {
 
 /// Host views of the operands, when they are in the layout the native loops need.
 struct Operands {
-    x: Vec<f32>,
+    /// Contiguous f32 activations (a view of the caller's buffer, not a copy).
+    x: FlexTensor,
     m: usize,
     k: usize,
     n: usize,
@@ -630,13 +631,14 @@ impl Operands {
             return None;
         }
         let x = x.to_contiguous();
+        x.as_slice::<f32>()?;
         let words = words.to_contiguous();
         let scales = scales.to_contiguous();
         if !matches!(words.dtype(), DType::U32 | DType::I32) {
             return None;
         }
         Some(Operands {
-            x: x.as_slice::<f32>()?.to_vec(),
+            x,
             m,
             k,
             n,
@@ -657,7 +659,8 @@ impl Operands {
 
     fn run(self, format: Format) -> FlexTensor {
         let (m, k, n) = (self.m, self.k, self.n);
-        let rows: Vec<QuantRow> = self.x.chunks_exact(k).map(quantize_row).collect();
+        let x = self.x.as_slice::<f32>().expect("checked in Operands::new");
+        let rows: Vec<QuantRow> = x.chunks_exact(k).map(quantize_row).collect();
         let bytes = self.word_bytes();
         let row_bytes = bytes.len() / n;
         let scales = self.scales.as_slice::<f32>().expect("contiguous f32");

@@ -59,54 +59,49 @@ impl BackendJob for BenchJob {
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<Vec<Row>> {
         let args = self.0;
         let (_file, config, model) = load_model::<B>(&args.model, &device)?;
-        // Fixed, arbitrary token ids (the speed does not depend on which).
-        let ids = |n: usize| {
-            let v: Vec<i64> = (0..n)
+        // Token i of a run: a fixed, arbitrary id (the speed does not depend on which).
+        let tokens = |from: usize, n: usize| {
+            let v: Vec<i64> = (from..from + n)
                 .map(|i| ((i * 7919 + 17) % config.vocab_size) as i64)
                 .collect();
             Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, n]), &device)
         };
-        let sync = |t: Tensor<B, 2>| t.into_data(); // forces the computation to finish
-        let mut rows = Vec::new();
-        for &p in &args.prompt {
-            let mut samples = Vec::new();
-            for rep in 0..=args.reps {
-                let mut cache = model.new_cache();
-                let start = Instant::now();
-                sync(model.forward_last(ids(p), &mut cache));
-                let s = p as f64 / start.elapsed().as_secs_f64();
-                if rep > 0 {
-                    samples.push(s);
-                }
-            }
-            rows.push(Row {
-                test: format!("pp{p}"),
-                tokens: p,
-                toy_tok_s: median(&mut samples.clone()),
-                toy_samples: samples,
-                llama_cpp_tok_s: None,
-            });
-        }
+        // Tokens/s of `n` tokens fed `chunk` at a time from an empty cache (a prompt is one chunk
+        // of `n`, generation `n` chunks of one): one warm-up, then `reps` measured runs.
+        let measure = |n: usize, chunk: usize| -> Vec<f64> {
+            (0..=args.reps)
+                .filter_map(|rep| {
+                    let mut cache = model.new_cache();
+                    let start = Instant::now();
+                    for from in (0..n).step_by(chunk) {
+                        // Reading the logits back forces the computation to finish.
+                        model
+                            .forward_last(tokens(from, chunk), &mut cache)
+                            .into_data();
+                    }
+                    let tok_s = n as f64 / start.elapsed().as_secs_f64();
+                    (rep > 0).then_some(tok_s)
+                })
+                .collect()
+        };
+        let row = |test: String, tokens: usize, samples: Vec<f64>| Row {
+            test,
+            tokens,
+            toy_tok_s: median(&mut samples.clone()),
+            toy_samples: samples,
+            llama_cpp_tok_s: None,
+        };
+        let mut rows: Vec<Row> = args
+            .prompt
+            .iter()
+            .map(|&p| row(format!("pp{p}"), p, measure(p, p)))
+            .collect();
         if args.n_gen > 0 {
-            let mut samples = Vec::new();
-            for rep in 0..=args.reps {
-                let mut cache = model.new_cache();
-                let start = Instant::now();
-                for i in 0..args.n_gen {
-                    sync(model.forward_last(ids(i + 1).narrow(1, i, 1), &mut cache));
-                }
-                let s = args.n_gen as f64 / start.elapsed().as_secs_f64();
-                if rep > 0 {
-                    samples.push(s);
-                }
-            }
-            rows.push(Row {
-                test: format!("tg{}", args.n_gen),
-                tokens: args.n_gen,
-                toy_tok_s: median(&mut samples.clone()),
-                toy_samples: samples,
-                llama_cpp_tok_s: None,
-            });
+            rows.push(row(
+                format!("tg{}", args.n_gen),
+                args.n_gen,
+                measure(args.n_gen, 1),
+            ));
         }
         Ok(rows)
     }

@@ -11,7 +11,7 @@ use toy_core::gguf::GgufFile;
 use toy_core::tokenizer::Tokenizer;
 use toy_kernels::ToyBackend;
 use toy_train::eval::{EvalOptions, Scoring, perplexity};
-use toy_train::lmc::interpolate;
+use toy_train::lmc::Interpolation;
 
 use crate::backend::{BackendJob, BackendKind, dispatch};
 use crate::infer::load_model;
@@ -240,10 +240,11 @@ impl BackendJob for LmcJob {
             ProgressStyle::with_template("interpolating [{bar:30}] {pos}/{len} {msg}")
                 .expect("static template"),
         );
+        let line = Interpolation::new(&a, &b)?;
         let mut rows = Vec::new();
         for &alpha in &args.alphas {
             bar.set_message(format!("α = {alpha}"));
-            let mixed = interpolate(&a, &b, alpha)?;
+            let mixed = line.at(alpha)?;
             let (_, model) = toy_models::load::<B>(&mixed, &device, |_, _| {})?;
             let r = perplexity(&model, &tokens, &options, |_, _| {})?;
             rows.push((alpha, r));

@@ -1,37 +1,19 @@
 //! The `toy` binary end to end: outputs against llama.cpp's oracle, and bad input that must end
 //! in a one-line error (non-zero exit, no panic, no huge allocation).
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+use common::{root, smollm2, toy};
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value as GgufValue};
 
-fn toy(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_toy"))
-        .args(args)
-        .output()
-        .expect("run toy")
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn model(kind: &str) -> String {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
-        });
-    let path = cache.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-smollm2.sh first",
-        path.display()
-    );
-    path.to_string_lossy().into_owned()
+    smollm2(kind).to_string_lossy().into_owned()
 }
 
 fn oracle(name: &str) -> Value {

@@ -3,22 +3,15 @@
 //! checkpoint, loses none, and finishes on the exact loss curve of an uninterrupted run; `toy
 //! eval` reproduces llama.cpp's NLL on SmolLM2; `toy runs` lists and plots runs.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+
+use common::{root, smollm2, toy};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-
-fn toy(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_toy"))
-        .args(args)
-        .output()
-        .expect("run toy")
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -305,21 +298,6 @@ fn train_killed_with_sigkill_resumes_from_its_last_checkpoint() {
     std::fs::remove_dir_all(&runs).unwrap();
 }
 
-fn smollm2_f32() -> PathBuf {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
-        });
-    let path = cache.join("SmolLM2-135M-Instruct.F32.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-smollm2.sh first",
-        path.display()
-    );
-    path
-}
-
 #[test]
 fn eval_matches_llama_cpp_nll_on_smollm2_f32() {
     let oracle: Value = serde_json::from_str(
@@ -332,7 +310,7 @@ fn eval_matches_llama_cpp_nll_on_smollm2_f32() {
     assert!(text.is_file(), "{} is missing", text.display());
     let out = success(&toy(&[
         "eval",
-        smollm2_f32().to_str().unwrap(),
+        smollm2("F32").to_str().unwrap(),
         "--data",
         text.to_str().unwrap(),
         "--context",
@@ -431,7 +409,7 @@ fn eval_logprobs_match_llama_cpp() {
     let dir = scratch("logprobs");
     let text = dir.join("prompt.txt");
     std::fs::write(&text, case["prompt"].as_str().unwrap()).unwrap();
-    let model = smollm2_f32().with_file_name("SmolLM2-135M-Instruct.Q8_0.gguf");
+    let model = smollm2("Q8_0");
     let out = success(&toy(&[
         "eval",
         model.to_str().unwrap(),

@@ -92,8 +92,9 @@ pub fn generate<B: ToyBackend>(
     }
     let device = model.device();
     let mut cache = model.new_cache();
-    let mut history: Vec<u32> = prompt.to_vec();
-    let mut generated = Vec::with_capacity(options.max_new_tokens);
+    // The prompt followed by what has been generated (the sampler's penalties read it all).
+    let mut history: Vec<u32> = Vec::with_capacity(prompt.len() + options.max_new_tokens);
+    history.extend_from_slice(prompt);
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
         finish_reason: "length",
@@ -115,7 +116,6 @@ pub fn generate<B: ToyBackend>(
             stats.finish_reason = "eog";
             break;
         }
-        generated.push(id);
         history.push(id);
         if on_token(id).is_break() {
             stats.finish_reason = "stop";
@@ -126,6 +126,7 @@ pub fn generate<B: ToyBackend>(
         }
     }
     stats.generation_time = decode_start.elapsed();
+    let generated = history.split_off(prompt.len());
     stats.generated_tokens = generated.len();
     Ok((generated, stats))
 }

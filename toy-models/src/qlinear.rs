@@ -7,6 +7,7 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_kernels::ToyBackend;
 use toy_kernels::quant::PackedWeight;
@@ -41,6 +42,22 @@ impl<B: Backend> PackedMatrix<B> {
     }
 }
 
+impl<B: ToyBackend> PackedMatrix<B> {
+    /// `x · dequant(self)ᵀ` through one of the backend's quantized matmuls.
+    fn matmul(
+        &self,
+        x: Tensor<B, 2>,
+        op: impl FnOnce(FloatTensor<B>, IntTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+    ) -> Tensor<B, 2> {
+        let y = op(
+            x.into_primitive().tensor(),
+            self.words.val().into_primitive(),
+            self.scales.val().into_primitive().tensor(),
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+}
+
 #[derive(Module, Debug)]
 pub enum QLinear<B: Backend> {
     /// A float weight `[out, in]` (PyTorch layout).
@@ -58,48 +75,19 @@ impl<B: ToyBackend> QLinear<B> {
         let x2: Tensor<B, 2> = x.reshape([-1, k as i32]);
         let y = match self {
             QLinear::Dense(w) => x2.matmul(w.val().transpose()),
-            QLinear::Q8_0(p) => Tensor::from_primitive(TensorPrimitive::Float(B::q8_0_matmul(
-                x2.into_primitive().tensor(),
-                p.words.val().into_primitive(),
-                p.scales.val().into_primitive().tensor(),
-            ))),
-            QLinear::Q4_0(p) => Tensor::from_primitive(TensorPrimitive::Float(B::q4_0_matmul(
-                x2.into_primitive().tensor(),
-                p.words.val().into_primitive(),
-                p.scales.val().into_primitive().tensor(),
-            ))),
-            QLinear::Q4_1(p) => Tensor::from_primitive(TensorPrimitive::Float(B::q4_1_matmul(
-                x2.into_primitive().tensor(),
-                p.words.val().into_primitive(),
-                p.scales.val().into_primitive().tensor(),
-                p.mins
+            QLinear::Q8_0(p) => p.matmul(x2, B::q8_0_matmul),
+            QLinear::Q4_0(p) => p.matmul(x2, B::q4_0_matmul),
+            QLinear::Q4_1(p) => {
+                let mins = p
+                    .mins
                     .as_ref()
-                    .expect("Q4_1 weights have mins")
-                    .val()
-                    .into_primitive()
-                    .tensor(),
-            ))),
+                    .expect("PackedMatrix::from_host keeps Q4_1's mins");
+                let mins = mins.val().into_primitive().tensor();
+                p.matmul(x2, |x, w, s| B::q4_1_matmul(x, w, s, mins))
+            }
         };
         let mut out = dims;
         out[D - 1] = y.dims()[1];
         y.reshape(out)
-    }
-
-    /// Output features.
-    pub fn out_features(&self) -> usize {
-        match self {
-            QLinear::Dense(w) => w.dims()[0],
-            QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => p.scales.dims()[0],
-        }
-    }
-
-    /// A short name of the weight format, for `describe` and logs.
-    pub fn format(&self) -> &'static str {
-        match self {
-            QLinear::Dense(_) => "f32",
-            QLinear::Q8_0(_) => "Q8_0",
-            QLinear::Q4_0(_) => "Q4_0",
-            QLinear::Q4_1(_) => "Q4_1",
-        }
     }
 }

@@ -155,7 +155,7 @@ pub fn evaluate_batches<B: ToyBackend>(
     model: &Transformer<B>,
     batches: &[Batch],
 ) -> Result<EvalResult, TrainError> {
-    let device = model.token_embd.weight.val().device();
+    let device = model.device();
     let (mut nll, mut correct, mut scored) = (0.0, 0, 0);
     for batch in batches {
         let (inputs, _) = batch.tensors::<B>(&device);
@@ -226,7 +226,7 @@ pub fn perplexity<B: ToyBackend>(
         Scoring::All => 0,
         Scoring::SecondHalf => n_ctx / 2,
     };
-    let device = model.token_embd.weight.val().device();
+    let device = model.device();
     let (mut nll, mut correct, mut scored) = (0.0, 0, 0);
     let mut details = Vec::new();
     for (i, w) in windows.iter().enumerate() {
