@@ -10,6 +10,7 @@ mod describe;
 mod eval;
 mod infer;
 mod runs;
+mod serve;
 mod tokenize;
 mod train;
 
@@ -29,6 +30,7 @@ use crate::backend::BackendKind;
 ///   toy convert model.Q4_1.gguf model.Q8_0.gguf --to q8_0
 ///   toy train                      (a tiny model on the bundled stories, ~1 minute)
 ///   toy eval model.gguf --data text.txt
+///   toy serve model.gguf           (OpenAI-compatible HTTP API and a chat page)
 #[derive(Parser, Debug)]
 #[command(name = "toy", version, about, long_about = None, verbatim_doc_comment)]
 struct Cli {
@@ -66,6 +68,8 @@ enum Command {
     Eval(eval::EvalArgs),
     /// List training runs with their losses (`toy runs plot RUN…` draws their loss curves).
     Runs(runs::RunsArgs),
+    /// Serve a model over HTTP with OpenAI's API (chat, completions, embeddings) and a chat page.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +87,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(cli.backend, *args),
         Command::Eval(args) => eval::run(cli.backend, args),
         Command::Runs(args) => runs::run(args),
+        Command::Serve(args) => serve::run(cli.backend, args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,91 @@
+//! `toy serve`: the OpenAI-compatible HTTP server (the work is in the toy-serve crate).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use toy_kernels::ToyBackend;
+use toy_serve::ServeOptions;
+
+use crate::backend::{BackendJob, BackendKind, dispatch};
+
+/// Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
+/// /v1/embeddings, /v1/models, plus /health, /metrics, /tokenize, /detokenize and a chat page
+/// at /. Point any OpenAI client at http://HOST:PORT/v1.
+///
+/// Examples:
+///   toy serve model.gguf                         (http://127.0.0.1:8080/, chat page at /)
+///   toy serve model.gguf --port 0                (a free port; the URL is printed)
+///   toy serve model.gguf --host 0.0.0.0 --api-key secret --max-concurrency 8
+///   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \
+///     -d '{"messages":[{"role":"user","content":"Hi"}],"stream":true}'
+#[derive(Args, Debug, Clone)]
+#[command(verbatim_doc_comment)]
+pub struct ServeArgs {
+    /// The model, a GGUF file.
+    pub model: PathBuf,
+    /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the URL printed at start says which).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on the API (not on / and /health).
+    #[arg(long, env = "TOY_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Sequences generated at once; their decode steps take turns.
+    #[arg(long, default_value_t = 4)]
+    pub max_concurrency: usize,
+    /// Requests that may wait for a free slot; beyond that new ones get 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Context per request in tokens (prompt + completion; default and maximum: the model's).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    /// The model name clients use (default: the file name without .gguf).
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Log every request as a toy/v1 event in <runs-dir>/<id>/events.jsonl.
+    #[arg(long)]
+    pub events: bool,
+    /// Where --events creates its run directory.
+    #[arg(long, default_value = "runs")]
+    pub runs_dir: PathBuf,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are failed.
+    #[arg(long, default_value_t = 10.0)]
+    pub shutdown_grace: f64,
+}
+
+struct ServeJob(ServeArgs, BackendKind);
+
+impl BackendJob for ServeJob {
+    type Output = ();
+
+    fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
+        let (a, backend) = (self.0, self.1);
+        let options = ServeOptions {
+            model: a.model,
+            model_id: a.model_id,
+            host: a.host,
+            port: a.port,
+            api_key: a.api_key.filter(|k| !k.is_empty()),
+            max_concurrency: a.max_concurrency,
+            max_queue: a.max_queue,
+            ctx: a.ctx,
+            max_body_bytes: a.max_body_bytes,
+            events_dir: a.events.then_some(a.runs_dir),
+            shutdown_grace: Duration::from_secs_f64(a.shutdown_grace.clamp(0.0, 3600.0)),
+            backend: backend.name().to_string(),
+        };
+        toy_serve::serve::<B>(options, device)?;
+        Ok(())
+    }
+}
+
+pub fn run(backend: BackendKind, args: ServeArgs) -> Result<()> {
+    dispatch(backend, ServeJob(args, backend))
+}

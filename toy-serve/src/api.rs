@@ -1,0 +1,284 @@
+//! Request bodies of the OpenAI API (the fields toy reads; others are ignored, as OpenAI-
+//! compatible servers do) and their validation into engine parameters.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+use serde_json::Value;
+use toy_core::sampling::SamplingParams;
+
+use crate::error::ApiError;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Sampling fields shared by chat and completions (plus llama.cpp's extensions `top_k`,
+/// `min_p`, `repeat_penalty`, `ignore_eos`).
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub n: Option<u32>,
+    pub logit_bias: Option<HashMap<String, f32>>,
+    pub ignore_eos: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// Sampling settings checked and turned into what the engine takes.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    pub params: SamplingParams,
+    pub n: usize,
+    pub stop: Vec<String>,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub ignore_eos: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn range(name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32) -> Result<f32, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && x >= lo && x <= hi => Ok(x),
+        Some(x) => Err(ApiError::invalid(
+            Some(name),
+            format!("{name} must be between {lo} and {hi}, got {x}"),
+        )),
+    }
+}
+
+impl Sampling {
+    /// OpenAI's defaults: temperature 1, top_p 1, no top-k/min-p, penalties over the generated
+    /// tokens only.
+    pub fn check(&self, vocab: usize) -> Result<Checked, ApiError> {
+        let temperature = range("temperature", self.temperature, 0.0, 2.0, 1.0)?;
+        let top_p = range("top_p", self.top_p, 0.0, 1.0, 1.0)?;
+        if top_p == 0.0 && temperature > 0.0 {
+            return Err(ApiError::invalid(
+                Some("top_p"),
+                "top_p must be greater than 0",
+            ));
+        }
+        let min_p = range("min_p", self.min_p, 0.0, 1.0, 0.0)?;
+        let presence = range("presence_penalty", self.presence_penalty, -2.0, 2.0, 0.0)?;
+        let frequency = range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, 0.0)?;
+        let repeat = range("repeat_penalty", self.repeat_penalty, 0.0, 10.0, 1.0)?;
+        let top_k = self.top_k.unwrap_or(0);
+        if top_k < 0 {
+            return Err(ApiError::invalid(
+                Some("top_k"),
+                "top_k must be 0 (off) or more",
+            ));
+        }
+        let n = self.n.unwrap_or(1);
+        if !(1..=16).contains(&n) {
+            return Err(ApiError::invalid(
+                Some("n"),
+                format!("n must be between 1 and 16, got {n}"),
+            ));
+        }
+        let stop = self.stop.clone().map(Stop::into_vec).unwrap_or_default();
+        if stop.len() > 4 {
+            return Err(ApiError::invalid(
+                Some("stop"),
+                format!("at most 4 stop sequences, got {}", stop.len()),
+            ));
+        }
+        let mut logit_bias = Vec::new();
+        for (k, &v) in self.logit_bias.iter().flatten() {
+            let id: u32 = k
+                .parse()
+                .ok()
+                .filter(|&id| (id as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        Some("logit_bias"),
+                        format!("logit_bias key {k:?} is not a token id below {vocab}"),
+                    )
+                })?;
+            if !(-100.0..=100.0).contains(&v) {
+                return Err(ApiError::invalid(
+                    Some("logit_bias"),
+                    format!("logit_bias values must be between -100 and 100, got {v}"),
+                ));
+            }
+            logit_bias.push((id, v));
+        }
+        let seed = self.seed.map(|s| s as u64).unwrap_or_else(rand::random);
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty: repeat,
+            repeat_last_n: -1,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            seed,
+        };
+        Ok(Checked {
+            params,
+            n: n as usize,
+            stop,
+            logit_bias,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            stream: self.stream.unwrap_or(false),
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+        })
+    }
+}
+
+/// A message's `content`: a string, or a list of parts of which toy reads the text ones.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+impl Message {
+    pub fn text(&self, i: usize) -> Result<String, ApiError> {
+        match &self.content {
+            None => Ok(String::new()),
+            Some(Content::Text(s)) => Ok(s.clone()),
+            Some(Content::Parts(parts)) => {
+                let mut out = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
+                                Some(&format!("messages[{i}].content")),
+                                format!(
+                                    "content parts of type {kind:?} are not supported: this model reads text only"
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Value>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// `prompt` (completions) and `input` (embeddings): text or token ids, one or many.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// One prompt of a [`Prompt`].
+pub enum PromptItem {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+impl Prompt {
+    pub fn items(self) -> Vec<PromptItem> {
+        match self {
+            Prompt::Text(s) => vec![PromptItem::Text(s)],
+            Prompt::Texts(v) => v.into_iter().map(PromptItem::Text).collect(),
+            Prompt::Ids(v) => vec![PromptItem::Ids(v)],
+            Prompt::IdLists(v) => v.into_iter().map(PromptItem::Ids).collect(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub max_tokens: Option<u64>,
+    pub echo: Option<bool>,
+    pub logprobs: Option<u32>,
+    pub suffix: Option<String>,
+    pub best_of: Option<u32>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct EmbeddingRequest {
+    pub model: Option<String>,
+    pub input: Prompt,
+    pub encoding_format: Option<String>,
+    pub dimensions: Option<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    pub content: String,
+    pub add_special: Option<bool>,
+    pub parse_special: Option<bool>,
+    pub with_pieces: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
+}

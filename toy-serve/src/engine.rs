@@ -1,0 +1,627 @@
+//! The generation engine: the model lives on one dedicated thread; HTTP handlers send it jobs
+//! over a channel and get tokens back over per-request channels.
+//!
+//! Scheduling: up to `max_concurrency` sequences are active at once, each with its own KV
+//! cache. The engine goes round the active sequences and gives each one forward pass per turn
+//! (a prefill chunk of at most [`PREFILL_CHUNK`] tokens, or one decode step), so a long prompt
+//! cannot starve the others and every stream advances at the same pace. Jobs beyond that wait
+//! in arrival order. A sequence whose receiver is gone (the client disconnected, the handler
+//! was dropped) is removed before its next forward pass: its slot is free at once.
+
+use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Int, Tensor, TensorData};
+use tokio::sync::{mpsc, oneshot};
+use toy_core::gguf::GgufFile;
+use toy_core::sampling::{Sampler, SamplingParams, StopStrings};
+use toy_core::tokenizer::{StreamDecoder, Tokenizer};
+use toy_kernels::ToyBackend;
+use toy_models::{KvCache, Transformer};
+
+use crate::state::Shared;
+
+/// Most prompt tokens one sequence runs in one turn (then the others get theirs).
+pub const PREFILL_CHUNK: usize = 256;
+/// Prompt chunk when every position's logits are needed (echo with logprobs): `vocab × chunk`
+/// floats come to the host.
+const SCORE_CHUNK: usize = 32;
+
+/// What the HTTP side knows about the loaded model.
+pub struct ModelInfo {
+    /// The name clients pass as `model` (the file name without `.gguf`, or `--model-id`).
+    pub id: String,
+    pub tokenizer: Tokenizer,
+    /// Context the server allows per request (`--ctx`, at most the model's).
+    pub context: usize,
+    /// The model's own context length.
+    pub model_context: usize,
+    pub d_model: usize,
+    pub vocab: usize,
+    pub n_params: usize,
+    /// Unix time the model was loaded (the `created` of `/v1/models`).
+    pub created: u64,
+}
+
+/// One sequence to generate.
+#[derive(Debug, Clone)]
+pub struct GenParams {
+    /// Index of this choice in the response (`n` > 1 sends several jobs).
+    pub index: usize,
+    pub prompt: Vec<u32>,
+    /// Most new tokens (0: only score the prompt).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Added to the logits before sampling (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    pub stop: Vec<String>,
+    /// Log-probabilities of the chosen tokens, with this many alternatives each.
+    pub logprobs: Option<usize>,
+    /// Log-probabilities of the prompt tokens too (completions with `echo`).
+    pub prompt_logprobs: bool,
+    pub ignore_eos: bool,
+}
+
+/// A token's log-probability under the model (log-softmax of the raw logits) and the most
+/// likely alternatives at its position.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Finish {
+    pub reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Text still to show (held back by the stop-string check or an unfinished character).
+    pub tail: String,
+    /// Seconds waiting for a slot, until the first token, and in all.
+    pub queue_s: f64,
+    pub ttft_s: Option<f64>,
+    pub total_s: f64,
+}
+
+/// What the engine sends back for a [`GenParams`], tagged with its `index`.
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    /// The prompt's tokens with their log-probabilities (the first has none).
+    PromptLogprobs(Vec<Option<TokenLogprob>>),
+    /// A new token and the text it completes (may be empty: part of a character, or held back
+    /// as the possible start of a stop string).
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Done(Finish),
+    /// The generation failed (the sequence is gone).
+    Error(String),
+}
+
+pub type GenSender = mpsc::UnboundedSender<(usize, GenEvent)>;
+
+pub enum Job {
+    Generate {
+        params: GenParams,
+        tx: GenSender,
+    },
+    /// Mean-pooled, L2-normalized final hidden states of each input.
+    Embed {
+        inputs: Vec<Vec<u32>>,
+        tx: oneshot::Sender<Result<Vec<Vec<f32>>, String>>,
+    },
+}
+
+impl Job {
+    fn cancelled(&self) -> bool {
+        match self {
+            Job::Generate { tx, .. } => tx.is_closed(),
+            Job::Embed { tx, .. } => tx.is_closed(),
+        }
+    }
+
+    fn fail(self, message: &str) {
+        match self {
+            Job::Generate { params, tx } => {
+                let _ = tx.send((params.index, GenEvent::Error(message.to_string())));
+            }
+            Job::Embed { tx, .. } => {
+                let _ = tx.send(Err(message.to_string()));
+            }
+        }
+    }
+}
+
+/// How the engine thread starts.
+pub struct EngineConfig {
+    pub model_path: PathBuf,
+    pub model_id: String,
+    /// `--ctx` (None: the model's context length).
+    pub ctx: Option<usize>,
+    pub max_concurrency: usize,
+}
+
+/// The engine thread's body: load the model (reporting the outcome on `ready`), then serve jobs
+/// until the job channel closes or `shared.abort` is set.
+pub fn run<B: ToyBackend>(
+    config: EngineConfig,
+    device: B::Device,
+    shared: Arc<Shared>,
+    jobs: Receiver<(Job, Instant)>,
+    ready: oneshot::Sender<Result<(), String>>,
+) {
+    let loaded = catch_unwind(AssertUnwindSafe(|| load::<B>(&config, &device)))
+        .unwrap_or_else(|_| Err("the model loader panicked".to_string()));
+    let (info, model) = match loaded {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let info = Arc::new(info);
+    let _ = shared.info.set(info.clone());
+    let _ = ready.send(Ok(()));
+    Engine {
+        model: &model,
+        tokenizer: &info.tokenizer,
+        shared: &shared,
+        max_concurrency: config.max_concurrency.max(1),
+        queue: VecDeque::new(),
+        active: Vec::new(),
+    }
+    .serve(&jobs);
+}
+
+fn load<B: ToyBackend>(
+    config: &EngineConfig,
+    device: &B::Device,
+) -> Result<(ModelInfo, Transformer<B>), String> {
+    let path = &config.model_path;
+    let file = GgufFile::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&file)
+        .map_err(|e| format!("cannot build the tokenizer of {}: {e}", path.display()))?;
+    let (model_config, model) = toy_models::load::<B>(&file, device, |_, _| {})
+        .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+    let model_context = model.context_length;
+    let context = match config.ctx {
+        None => model_context,
+        Some(c) if c >= 2 && c <= model_context => c,
+        Some(c) => {
+            return Err(format!(
+                "--ctx {c} is outside what the model supports (2 to {model_context} tokens)"
+            ));
+        }
+    };
+    let c = &model_config;
+    let n_params = c.vocab_size * c.d_model * if c.tied_embeddings { 1 } else { 2 }
+        + c.n_layer
+            * (c.d_model * (c.n_head + 2 * c.n_head_kv) * c.head_dim
+                + c.n_head * c.head_dim * c.d_model
+                + 3 * c.d_model * c.d_ff);
+    Ok((
+        ModelInfo {
+            id: config.model_id.clone(),
+            vocab: c.vocab_size,
+            d_model: c.d_model,
+            n_params,
+            tokenizer,
+            context,
+            model_context,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        },
+        model,
+    ))
+}
+
+struct Engine<'m, B: ToyBackend> {
+    model: &'m Transformer<B>,
+    tokenizer: &'m Tokenizer,
+    shared: &'m Shared,
+    max_concurrency: usize,
+    queue: VecDeque<(Job, Instant)>,
+    active: Vec<Sequence<'m, B>>,
+}
+
+impl<'m, B: ToyBackend> Engine<'m, B> {
+    fn serve(mut self, jobs: &Receiver<(Job, Instant)>) {
+        let mut open = true;
+        loop {
+            if self.shared.abort.load(Ordering::SeqCst) {
+                self.abort_all("the server is shutting down");
+                return;
+            }
+            // Take what has arrived; sleep on the channel only when there is nothing to do.
+            if self.active.is_empty() && self.queue.is_empty() {
+                if !open {
+                    return;
+                }
+                match jobs.recv_timeout(Duration::from_millis(100)) {
+                    Ok(job) => self.queue.push_back(job),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            loop {
+                match jobs.try_recv() {
+                    Ok(job) => self.queue.push_back(job),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            self.admit();
+            self.turn();
+            self.publish_gauges();
+        }
+    }
+
+    /// Move queued jobs into free slots (embeddings run right away, in one go).
+    fn admit(&mut self) {
+        while self.active.len() < self.max_concurrency {
+            let Some((job, enqueued)) = self.queue.pop_front() else {
+                break;
+            };
+            if job.cancelled() {
+                self.shared.metrics.cancelled(1);
+                continue;
+            }
+            match job {
+                Job::Embed { inputs, tx } => {
+                    let out = catch_unwind(AssertUnwindSafe(|| self.embed(&inputs)))
+                        .unwrap_or_else(|_| Err("the model panicked while embedding".into()));
+                    let _ = tx.send(out);
+                }
+                Job::Generate { params, tx } => {
+                    self.active.push(Sequence::new(
+                        params,
+                        tx,
+                        enqueued,
+                        self.tokenizer,
+                        self.model,
+                    ));
+                }
+            }
+        }
+    }
+
+    /// One forward pass for every active sequence, in order.
+    fn turn(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            let seq = &mut self.active[i];
+            if seq.tx.is_closed() {
+                self.active.swap_remove(i);
+                self.shared.metrics.cancelled(1);
+                continue;
+            }
+            let model = self.model;
+            let tokenizer = self.tokenizer;
+            let metrics = &self.shared.metrics;
+            let outcome = catch_unwind(AssertUnwindSafe(|| seq.step(model, tokenizer, metrics)))
+                .unwrap_or_else(|_| Err("the model panicked during generation".into()));
+            match outcome {
+                Ok(false) => i += 1,
+                Ok(true) => {
+                    let seq = self.active.swap_remove(i);
+                    self.shared.metrics.finished(&seq);
+                }
+                Err(message) => {
+                    let seq = self.active.swap_remove(i);
+                    let _ = seq.tx.send((seq.params.index, GenEvent::Error(message)));
+                    self.shared.metrics.failed(1);
+                }
+            }
+        }
+    }
+
+    fn publish_gauges(&self) {
+        self.shared
+            .metrics
+            .set_gauges(self.active.len(), self.queue.len());
+    }
+
+    fn abort_all(&mut self, message: &str) {
+        for seq in self.active.drain(..) {
+            let _ = seq
+                .tx
+                .send((seq.params.index, GenEvent::Error(message.to_string())));
+        }
+        for (job, _) in self.queue.drain(..) {
+            job.fail(message);
+        }
+        self.publish_gauges();
+    }
+
+    fn embed(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, String> {
+        inputs
+            .iter()
+            .map(|ids| {
+                let mut cache = self.model.new_cache();
+                let h = self
+                    .model
+                    .forward_hidden(ids_tensor(self.model, ids), &mut cache);
+                let [_, t, d] = h.dims();
+                let mean = h.sum_dim(1).reshape([d]) / t as f32;
+                let mut v = mean
+                    .into_data()
+                    .into_vec::<f32>()
+                    .map_err(|e| format!("backend error: {e:?}"))?;
+                let norm = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+                if norm > 0.0 {
+                    v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
+                }
+                self.shared.metrics.prompt_tokens(ids.len());
+                Ok(v)
+            })
+            .collect()
+    }
+}
+
+fn ids_tensor<B: ToyBackend>(model: &Transformer<B>, ids: &[u32]) -> Tensor<B, 2, Int> {
+    let v: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    let n = v.len();
+    Tensor::from_data(TensorData::new(v, [1, n]), &model.device())
+}
+
+fn host<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, String> {
+    t.into_data()
+        .into_vec::<f32>()
+        .map_err(|e| format!("backend error: {e:?}"))
+}
+
+/// One sequence being generated.
+pub(crate) struct Sequence<'t, B: ToyBackend> {
+    pub(crate) params: GenParams,
+    tx: GenSender,
+    cache: KvCache<B>,
+    /// Prompt tokens already in the cache.
+    prefilled: usize,
+    /// Logits for the next token, once the prompt is in.
+    logits: Option<Vec<f32>>,
+    generated: Vec<u32>,
+    sampler: Sampler,
+    decoder: StreamDecoder<'t>,
+    stops: StopStrings,
+    prompt_logprobs: Vec<Option<TokenLogprob>>,
+    pub(crate) enqueued: Instant,
+    pub(crate) started: Instant,
+    pub(crate) first_token: Option<Instant>,
+}
+
+impl<'t, B: ToyBackend> Sequence<'t, B> {
+    fn new(
+        params: GenParams,
+        tx: GenSender,
+        enqueued: Instant,
+        tokenizer: &'t Tokenizer,
+        model: &Transformer<B>,
+    ) -> Self {
+        Sequence {
+            sampler: Sampler::new(params.sampling.clone()),
+            stops: StopStrings::new(params.stop.clone()),
+            decoder: StreamDecoder::new(tokenizer),
+            cache: model.new_cache(),
+            prefilled: 0,
+            logits: None,
+            generated: Vec::with_capacity(params.max_tokens.min(4096)),
+            prompt_logprobs: Vec::new(),
+            params,
+            tx,
+            enqueued,
+            started: Instant::now(),
+            first_token: None,
+        }
+    }
+
+    fn send(&self, event: GenEvent) {
+        // A closed receiver is noticed before the next step.
+        let _ = self.tx.send((self.params.index, event));
+    }
+
+    /// One forward pass (a prompt chunk, or sampling a token and running it). Returns whether
+    /// the sequence is finished.
+    fn step(
+        &mut self,
+        model: &Transformer<B>,
+        tokenizer: &Tokenizer,
+        metrics: &crate::metrics::Metrics,
+    ) -> Result<bool, String> {
+        let prompt_len = self.params.prompt.len();
+        if self.prefilled < prompt_len {
+            return self.prefill(model, metrics);
+        }
+        if self.params.max_tokens == 0 {
+            self.finish(FinishReason::Length);
+            return Ok(true);
+        }
+        let Some(mut logits) = self.logits.take() else {
+            return Err("internal error: no logits after the prompt".into());
+        };
+        let logprob_of =
+            |id: u32, logits: &[f32]| self.params.logprobs.map(|k| token_logprob(logits, id, k));
+        // The log-probabilities describe the model's own distribution (before biases and
+        // penalties), so compute them from the untouched logits.
+        let raw = self.params.logprobs.map(|_| logits.clone());
+        for &(id, bias) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        let id = self.sampler.sample(&logits, &self.generated);
+        if !self.params.ignore_eos && tokenizer.is_eog(id) {
+            self.finish(FinishReason::Stop);
+            return Ok(true);
+        }
+        self.generated.push(id);
+        metrics.generated_tokens(1);
+        if self.first_token.is_none() {
+            self.first_token = Some(Instant::now());
+        }
+        let logprob = raw.as_deref().and_then(|raw| logprob_of(id, raw));
+        let piece = self.decoder.push(id);
+        let (text, stopped) = self.stops.push(&piece);
+        self.send(GenEvent::Token { id, text, logprob });
+        if stopped {
+            self.finish(FinishReason::Stop);
+            return Ok(true);
+        }
+        if self.generated.len() >= self.params.max_tokens {
+            self.finish(FinishReason::Length);
+            return Ok(true);
+        }
+        let logits = model.forward_last(ids_tensor(model, &[id]), &mut self.cache);
+        self.logits = Some(host(logits)?);
+        Ok(false)
+    }
+
+    fn prefill(
+        &mut self,
+        model: &Transformer<B>,
+        metrics: &crate::metrics::Metrics,
+    ) -> Result<bool, String> {
+        let prompt = &self.params.prompt;
+        let start = self.prefilled;
+        let scoring = self.params.prompt_logprobs;
+        let chunk = if scoring { SCORE_CHUNK } else { PREFILL_CHUNK };
+        let end = (start + chunk).min(prompt.len());
+        let last = end == prompt.len();
+        let tokens = ids_tensor(model, &prompt[start..end]);
+        if scoring {
+            if start == 0 {
+                self.prompt_logprobs.push(None);
+            }
+            let logits = host(model.forward(tokens, &mut self.cache))?;
+            let vocab = logits.len() / (end - start);
+            let k = self.params.logprobs.unwrap_or(0);
+            for (row, pos) in logits.chunks(vocab).zip(start..end) {
+                if let Some(&next) = prompt.get(pos + 1) {
+                    self.prompt_logprobs.push(Some(token_logprob(row, next, k)));
+                }
+            }
+            if last {
+                let tail = logits[logits.len() - vocab..].to_vec();
+                self.logits = Some(tail);
+            }
+        } else if last {
+            self.logits = Some(host(model.forward_last(tokens, &mut self.cache))?);
+        } else {
+            // Only the cache matters for a middle chunk.
+            let _ = model.forward_hidden(tokens, &mut self.cache);
+        }
+        metrics.prompt_tokens(end - start);
+        self.prefilled = end;
+        if last && scoring {
+            let lps = std::mem::take(&mut self.prompt_logprobs);
+            self.send(GenEvent::PromptLogprobs(lps));
+        }
+        Ok(false)
+    }
+
+    fn finish(&mut self, reason: FinishReason) {
+        let tail = if self.stops.stopped() {
+            String::new()
+        } else {
+            let rest = self.decoder.finish();
+            self.stops.finish(&rest)
+        };
+        let now = Instant::now();
+        let finish = Finish {
+            reason,
+            prompt_tokens: self.params.prompt.len(),
+            completion_tokens: self.generated.len(),
+            tail,
+            queue_s: (self.started - self.enqueued).as_secs_f64(),
+            ttft_s: self.first_token.map(|t| (t - self.enqueued).as_secs_f64()),
+            total_s: (now - self.enqueued).as_secs_f64(),
+        };
+        self.send(GenEvent::Done(finish));
+    }
+}
+
+/// log-softmax of `logits` at `id`, and the `k` most likely tokens (ties: lowest id first).
+pub fn token_logprob(logits: &[f32], id: u32, k: usize) -> TokenLogprob {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| (l as f64 - max).exp())
+        .sum();
+    let lse = max + sum.ln();
+    let lp = |i: u32| {
+        logits
+            .get(i as usize)
+            .map_or(f32::NEG_INFINITY, |&l| (l as f64 - lse) as f32)
+    };
+    let mut top = Vec::new();
+    if k > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let by = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        let k = k.min(idx.len());
+        idx.select_nth_unstable_by(k - 1, by);
+        idx.truncate(k);
+        idx.sort_unstable_by(by);
+        top = idx.into_iter().map(|i| (i, lp(i))).collect();
+    }
+    TokenLogprob {
+        id,
+        logprob: lp(id),
+        top,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_sorted_alternatives() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let t = token_logprob(&logits, 2, 3);
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((t.logprob as f64 - (2.0 - z.ln())).abs() < 1e-6);
+        // Ties go to the lowest id.
+        assert_eq!(t.top.iter().map(|p| p.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        let total: f64 = (0..4)
+            .map(|i| (token_logprob(&logits, i, 0).logprob as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,259 @@
+"""Load test for an OpenAI-compatible server, run from a separate process.
+
+Usage:
+  load_test.py BASE_URL --key KEY --pid PID [--clients 32] [--requests 4] [--max-tokens 8]
+      Mixed load against `toy serve`: greedy chat (plain and streamed), malformed JSON, an
+      unknown model, a missing key, a too-long request, a too-large body and clients that hang up
+      mid-stream. Every answer is checked (well-formed requests must give exactly the greedy text
+      measured alone before the load; bad ones their 4xx), then the server must be alive, idle
+      (no slot still held) and its RSS flat between two identical waves.
+  load_test.py BASE_URL --bench [--key KEY] [--clients 32] [--requests 4] [--max-tokens 16]
+      Only well-formed chat requests (half streamed), for comparing servers (toy, llama-server).
+
+Prints one JSON object with requests/s and latency percentiles; exit status 1 on any failure.
+"""
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the sea.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+    "Give me a word that rhymes with cat.",
+    "What do bees make?",
+    "Describe a tree in five words.",
+]
+
+p = argparse.ArgumentParser()
+p.add_argument("url")
+p.add_argument("--key", default="")
+p.add_argument("--pid", type=int)
+p.add_argument("--clients", type=int, default=32)
+p.add_argument("--requests", type=int, default=4)
+p.add_argument("--max-tokens", type=int, default=8)
+p.add_argument("--model", default=None)
+p.add_argument("--bench", action="store_true")
+p.add_argument("--waves", type=int, default=2)
+args = p.parse_args()
+u = urllib.parse.urlparse(args.url)
+HOST, PORT = u.hostname, u.port
+
+
+def headers(key=args.key):
+    h = {"Content-Type": "application/json"}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    return h
+
+
+def request(method, path, body=None, hdrs=None, timeout=300):
+    c = http.client.HTTPConnection(HOST, PORT, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        c.request(method, path, body=data, headers=hdrs if hdrs is not None else headers())
+        r = c.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        c.close()
+
+
+def chat_body(prompt, stream):
+    b = {"messages": [{"role": "user", "content": prompt}], "temperature": 0,
+         "max_tokens": args.max_tokens, "stream": stream}
+    if args.model:
+        b["model"] = args.model
+    return b
+
+
+def sse_text(raw):
+    text, done = [], False
+    for line in raw.decode().split("\n"):
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            done = True
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise AssertionError(f"error in stream: {chunk}")
+        for c in chunk["choices"]:
+            text.append(c["delta"].get("content") or "")
+    if not done:
+        raise AssertionError("stream without [DONE]")
+    return "".join(text)
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def metric(name):
+    _, _, body = request("GET", "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+# Reference answers: each prompt alone, before any load.
+reference = {}
+for prompt in PROMPTS:
+    s, _, b = request("POST", "/v1/chat/completions", chat_body(prompt, False))
+    assert s == 200, f"reference {prompt!r}: {s} {b[:300]}"
+    reference[prompt] = json.loads(b)["choices"][0]["message"]["content"]
+
+MIX = ["chat", "stream"] * 3 + ["malformed", "badmodel", "noauth", "toolong", "disconnect", "bigbody"]
+if args.bench:
+    MIX = ["chat", "stream"]
+
+
+def one(kind, prompt):
+    """Run one request of `kind`; returns True for a well-formed generation request."""
+    if kind == "chat":
+        s, _, b = request("POST", "/v1/chat/completions", chat_body(prompt, False))
+        assert s == 200, f"chat {s} {b[:300]}"
+        j = json.loads(b)
+        got = j["choices"][0]["message"]["content"]
+        assert args.bench or got == reference[prompt], f"chat under load {got!r} != alone {reference[prompt]!r}"
+        return True
+    if kind == "stream":
+        s, h, b = request("POST", "/v1/chat/completions", chat_body(prompt, True))
+        assert s == 200 and h.get("content-type", "").startswith("text/event-stream"), f"stream {s} {h}"
+        got = sse_text(b)
+        assert args.bench or got == reference[prompt], f"stream under load {got!r} != alone {reference[prompt]!r}"
+        return True
+    if kind == "malformed":
+        s, _, b = request("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"')
+        assert s == 400 and json.loads(b)["error"]["type"] == "invalid_request_error", f"malformed {s} {b[:200]}"
+    elif kind == "badmodel":
+        body = chat_body(prompt, False) | {"model": "gpt-17"}
+        s, _, b = request("POST", "/v1/chat/completions", body)
+        assert s == 404 and json.loads(b)["error"]["code"] == "model_not_found", f"badmodel {s} {b[:200]}"
+    elif kind == "noauth":
+        s, _, b = request("POST", "/v1/chat/completions", chat_body(prompt, False), {"Content-Type": "application/json"})
+        if args.key:
+            assert s == 401 and json.loads(b)["error"]["type"] == "authentication_error", f"noauth {s} {b[:200]}"
+        else:
+            assert s == 200, f"noauth without a key {s}"
+    elif kind == "toolong":
+        body = chat_body(prompt, False) | {"max_tokens": 10**6}
+        s, _, b = request("POST", "/v1/chat/completions", body)
+        err = json.loads(b)["error"]
+        assert s == 400 and "maximum context length" in err["message"] and str(10**6) in err["message"], f"toolong {s} {b[:300]}"
+    elif kind == "bigbody":
+        big = json.dumps(chat_body("x" * (5 << 20), False)).encode()
+        s, _, b = request("POST", "/v1/chat/completions", big)
+        assert s == 413 and "error" in json.loads(b), f"bigbody {s} {b[:200]}"
+    elif kind == "disconnect":
+        # Start a long stream, read its first event, hang up.
+        sock = socket.create_connection((HOST, PORT), timeout=60)
+        body = json.dumps(chat_body(prompt, True) | {"max_tokens": 200}).encode()
+        auth = f"Authorization: Bearer {args.key}\r\n" if args.key else ""
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+                      f"{auth}Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        got = b""
+        while b"data: " not in got:
+            part = sock.recv(4096)
+            assert part, "connection closed before the first event"
+            got += part
+        assert got.startswith(b"HTTP/1.1 200"), got[:100]
+        sock.close()
+    return False
+
+
+def wave():
+    latencies, errors, good = [], [], [0]
+    lock = threading.Lock()
+
+    def client(i):
+        for r in range(args.requests):
+            kind = MIX[(i * args.requests + r) % len(MIX)]
+            prompt = PROMPTS[(i + r) % len(PROMPTS)]
+            t0 = time.perf_counter()
+            try:
+                ok = one(kind, prompt)
+                dt = time.perf_counter() - t0
+                with lock:
+                    if ok:
+                        latencies.append(dt)
+                    good[0] += 1
+            except Exception as e:  # noqa: BLE001 — every failure is reported
+                with lock:
+                    errors.append(f"client {i} request {r} ({kind}): {e!r}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return latencies, errors, good[0], wall
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+results, failures, rss = [], [], []
+if args.pid:
+    rss.append(rss_kib(args.pid))
+for w in range(args.waves):
+    lat, errs, answered, wall = wave()
+    failures += errs
+    if args.pid:
+        rss.append(rss_kib(args.pid))
+    results.append({
+        "wave": w, "requests": args.clients * args.requests, "answered_correctly": answered,
+        "generation_requests": len(lat), "wall_s": round(wall, 3),
+        "requests_per_s": round(args.clients * args.requests / wall, 2),
+        "generation_requests_per_s": round(len(lat) / wall, 2),
+        "p50_s": round(statistics.median(lat), 3) if lat else None,
+        "p99_s": round(pct(lat, 99), 3) if lat else None,
+    })
+
+out = {"clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+       "waves": results, "failures": failures[:20], "failure_count": len(failures)}
+
+if not args.bench:
+    # Alive and idle: every slot given back (the disconnected streams included).
+    s, _, b = request("GET", "/health")
+    if s != 200:
+        failures.append(f"/health after the load: {s} {b[:200]}")
+    end = time.time() + 10
+    while time.time() < end and (metric("toy_sequences_active") or metric("toy_requests_in_flight")):
+        time.sleep(0.1)
+    busy = (metric("toy_sequences_active"), metric("toy_requests_in_flight"), metric("toy_sequences_queued"))
+    out["after"] = {"active": busy[0], "in_flight": busy[1], "queued": busy[2],
+                    "cancelled": metric("toy_sequences_cancelled_total")}
+    if any(busy):
+        failures.append(f"server not idle after the load: active/in-flight/queued = {busy}")
+    if not out["after"]["cancelled"]:
+        failures.append("no sequence was cancelled although clients hung up mid-stream")
+if args.pid:
+    out["rss_mib"] = [round(r / 1024, 1) for r in rss]
+    # Flat: the last wave must not grow memory beyond noise (the first one warms caches up).
+    growth = rss[-1] - rss[-2]
+    out["rss_growth_last_wave_mib"] = round(growth / 1024, 1)
+    if growth > max(0.05 * rss[-2], 32 * 1024):
+        failures.append(f"RSS grew by {growth / 1024:.1f} MiB during the last wave")
+out["failure_count"] = len(failures)
+out["failures"] = failures[:20]
+print(json.dumps(out))
+sys.exit(1 if failures else 0)
