@@ -3,6 +3,8 @@
 //! Every op has a default body written with plain burn tensor ops ([`reference`]): that body is
 //! the specification every faster implementation is tested against, and it is what backends
 //! without an override run (`ndarray`). Overrides:
+//! - `CubeBackend` (`--backend wgpu`, `--backend cuda`): cubecl kernels ([`cube`]).
+//! - `Autodiff<B>`: the inner backend's forward with a custom backward per op.
 //! - `Flex` (`--backend cpu`): native Rust loops on the tensor's host memory ([`flex`]), computing
 //!   quantized products the way ggml's CPU backend does (activations quantized to 8-bit blocks,
 //!   integer dot products, one scale multiply per block) — both the fast path and the way to
@@ -10,15 +12,16 @@
 //!
 //! This crate knows nothing of models: ops take tensors and plain options.
 
+mod autodiff;
+pub mod cube;
 pub mod flex;
 pub mod quant;
 pub mod reference;
 
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
-use burn::backend::{Autodiff, NdArray};
+use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
@@ -120,8 +123,3 @@ where
     NdArrayTensor: From<SharedArray<I>>,
 {
 }
-
-/// Training runs on `Autodiff<B>`: every op takes its reference body (plain burn tensor ops), so
-/// burn records and differentiates it like any other tensor code. The inner backend's native
-/// overrides (Flex) do not apply under autodiff until an op gets a custom `Backward`.
-impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {}

@@ -1,0 +1,253 @@
+//! `ToyBackend` for `Autodiff<B>`: the forward of each hot op runs the inner backend's
+//! implementation (cubecl kernels on wgpu/cuda, native loops on Flex), and a custom `Backward`
+//! gives the gradients. RMSNorm and SwiGLU keep their reference bodies, which burn differentiates
+//! itself.
+//!
+//! - Quantized matmuls: gradient w.r.t. `x` only (`dX = dY · dequant(W)`); the quantized base is
+//!   frozen (QLoRA). The forward rounds activations to 8-bit blocks as llama.cpp does; the
+//!   backward is that of the exact product (a straight-through estimate of the rounding).
+//! - RoPE: a rotation, so its backward is the inverse rotation — the same op with `-sin`.
+//! - Attention: recomputes the probabilities from the saved Q, K, V (the forward kept no
+//!   `T × T` matrix) and applies the softmax backward; grouped-query heads sum their K/V
+//!   gradients through the same reshape the reference uses.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive, activation};
+
+use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
+
+fn float<B: ToyBackend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn prim<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// Which quantized weight format a matmul reads.
+#[derive(Debug, Clone, Copy)]
+enum QFormat {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+#[derive(Debug)]
+struct QMatmulBackward(QFormat);
+
+type QWeight<B> = (IntTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
+
+impl<B: ToyBackend> Backward<B, 1> for QMatmulBackward {
+    type State = QWeight<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(node_x) = node_x else { return };
+        let (words, scales, mins) = ops.state;
+        let words = Tensor::from_primitive(words);
+        let w = match self.0 {
+            QFormat::Q8_0 => reference::dequant_q8_0::<B>(words, float(scales)),
+            QFormat::Q4_0 => reference::dequant_q4_0::<B>(words, float(scales)),
+            QFormat::Q4_1 => reference::dequant_q4_1::<B>(
+                words,
+                float(scales),
+                float(mins.expect("Q4_1 has mins")),
+            ),
+        };
+        let dx = float::<B, 2>(grad).matmul(w);
+        grads.register::<B>(node_x.id, prim(dx));
+    }
+}
+
+fn qmatmul<B: ToyBackend, C: CheckpointStrategy>(
+    format: QFormat,
+    x: FloatTensor<Autodiff<B, C>>,
+    words: IntTensor<B>,
+    scales: FloatTensor<Autodiff<B, C>>,
+    mins: Option<FloatTensor<Autodiff<B, C>>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    // The weight is frozen: its scales enter as constants, never as graph nodes.
+    let scales = scales.primitive;
+    let mins = mins.map(|m| m.primitive);
+    let forward = |x, words: IntTensor<B>, scales: FloatTensor<B>, mins: Option<FloatTensor<B>>| {
+        match format {
+            QFormat::Q8_0 => B::q8_0_matmul(x, words, scales),
+            QFormat::Q4_0 => B::q4_0_matmul(x, words, scales),
+            QFormat::Q4_1 => B::q4_1_matmul(x, words, scales, mins.expect("Q4_1 has mins")),
+        }
+    };
+    match QMatmulBackward(format)
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let out = forward(x.primitive, words.clone(), scales.clone(), mins.clone());
+            prep.finish((words, scales, mins), out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, words, scales, mins)),
+    }
+}
+
+#[derive(Debug)]
+struct RopeBackward;
+
+impl<B: ToyBackend> Backward<B, 1> for RopeBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, RopeLayout);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(node_x) = node_x else { return };
+        let (cos, sin, layout) = ops.state;
+        let inverse_sin = prim(float::<B, 2>(sin).neg());
+        grads.register::<B>(node_x.id, B::rope(grad, cos, inverse_sin, layout));
+    }
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: ToyBackend> Backward<B, 3> for AttentionBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, AttentionOptions);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (q, k, v, options) = ops.state;
+        let (dq, dk, dv) = attention_backward::<B>(q, k, v, grad, &options);
+        for (node, g) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+/// Gradients of attention w.r.t. q, k, v, from the saved inputs and `dO`. Query heads that
+/// share a K/V head are stacked as rows (as in the reference), so `Pᵀ·dO` and `dSᵀ·Q` sum their
+/// contributions to the shared K/V head.
+fn attention_backward<B: ToyBackend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    options: &AttentionOptions,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let q: Tensor<B, 4> = float(q);
+    let k: Tensor<B, 4> = float(k);
+    let v: Tensor<B, 4> = float(v);
+    let [b, h, tq, d] = q.dims();
+    let [_, h_kv, tk, _] = k.dims();
+    let group = h / h_kv;
+    let q = q.reshape([b, h_kv, group * tq, d]);
+    let d_out = float::<B, 4>(grad).reshape([b, h_kv, group * tq, d]);
+
+    let raw = q.clone().matmul(k.clone().transpose()).mul_scalar(options.scale);
+    let (scores, capped) = match options.softcap {
+        Some(cap) => {
+            let t = raw.div_scalar(cap).tanh();
+            (t.clone().mul_scalar(cap), Some(t))
+        }
+        None => (raw, None),
+    };
+    let mask = reference::causal_mask(tq, tk, options);
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [tq, tk]), &scores.device())
+        .unsqueeze_dim::<3>(0)
+        .expand([group, tq, tk])
+        .reshape([1, 1, group * tq, tk])
+        .expand([b, h_kv, group * tq, tk]);
+    let probs = activation::softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+
+    let d_v = probs.clone().transpose().matmul(d_out.clone());
+    let d_probs = d_out.matmul(v.transpose());
+    let row_dot = (d_probs.clone() * probs.clone()).sum_dim(3);
+    let mut d_scores = probs * (d_probs - row_dot);
+    if let Some(t) = capped {
+        // d/ds of cap·tanh(s/cap) = 1 − tanh².
+        d_scores = d_scores * (t.clone() * t).neg().add_scalar(1.0);
+    }
+    let d_scores = d_scores.mul_scalar(options.scale);
+    let d_q = d_scores.clone().matmul(k).reshape([b, h, tq, d]);
+    let d_k = d_scores.transpose().matmul(q);
+    (prim(d_q), prim(d_k), prim(d_v))
+}
+
+impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
+    fn q8_0_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        qmatmul::<B, C>(QFormat::Q8_0, x, words, scales, None)
+    }
+
+    fn q4_0_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        qmatmul::<B, C>(QFormat::Q4_0, x, words, scales, None)
+    }
+
+    fn q4_1_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        mins: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        qmatmul::<B, C>(QFormat::Q4_1, x, words, scales, Some(mins))
+    }
+
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        layout: RopeLayout,
+    ) -> FloatTensor<Self> {
+        // The tables are constants (computed on the host from positions).
+        let (cos, sin) = (cos.primitive, sin.primitive);
+        match RopeBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::rope(x.primitive, cos.clone(), sin.clone(), layout);
+                prep.finish((cos, sin, layout), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::rope(x.primitive, cos, sin, layout)),
+        }
+    }
+
+    fn attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        match AttentionBackward
+            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (qp, kp, vp) = (q.primitive, k.primitive, v.primitive);
+                let out = <B as ToyBackend>::attention(qp.clone(), kp.clone(), vp.clone(), options);
+                prep.finish((qp, kp, vp, options), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(<B as ToyBackend>::attention(
+                q.primitive,
+                k.primitive,
+                v.primitive,
+                options,
+            )),
+        }
+    }
+}
