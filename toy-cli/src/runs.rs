@@ -49,7 +49,8 @@ fn list(dir: &PathBuf, json: bool) -> Result<()> {
     let mut runs: Vec<RunSummary> = Vec::new();
     for entry in entries.flatten() {
         let path = entry.path();
-        if path.join("events.jsonl").is_file() {
+        // Training runs only: `toy serve --events` runs have an event log but no config.json.
+        if path.join("events.jsonl").is_file() && path.join("config.json").is_file() {
             runs.push(summarize(&path).with_context(|| format!("cannot read {}", path.display()))?);
         }
     }

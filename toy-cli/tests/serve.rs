@@ -1,0 +1,401 @@
+//! `toy serve` end to end: the real binary on a free localhost port with SmolLM2 Q8_0, talked
+//! to by the official `openai` Python client, headless Chromium (the chat page), a 32-client load
+//! test in another process, and raw HTTP (overload, disconnects, shutdown).
+//!
+//! The Python side needs a venv with `openai` and `websockets`, and Chromium; both are installed
+//! by `scripts/serve-test-deps.sh` (which `scripts/test.sh` runs). Missing pieces fail the test
+//! with the command that installs them; nothing is skipped.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{root, smollm2, toy};
+
+/// The tests share two cores: one server at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const KEY: &str = "test-key-123";
+const PROMPT: &str = "What is the capital of France?";
+const N: usize = 24;
+
+struct Server {
+    child: Child,
+    url: String,
+    addr: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let model = smollm2("Q8_0");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_toy"))
+            .arg("serve")
+            .arg(&model)
+            .args(["--port", "0", "--api-key", KEY])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start toy serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("toy serve printed its URL within 2 minutes");
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("no URL in {line:?}"))
+            .trim_end_matches('/')
+            .to_string();
+        let addr = url.trim_start_matches("http://").to_string();
+        Server { child, url, addr }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, then the exit status within `timeout`.
+    fn terminate(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                return s;
+            }
+            assert!(Instant::now() < end, "toy serve did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The venv's Python with `openai` and `websockets`, or a failure saying how to get it.
+fn venv_python() -> PathBuf {
+    let venv = std::env::var_os("TOY_VENV").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-venv")
+    });
+    let python = venv.join("bin/python");
+    let ok = Command::new(&python)
+        .args(["-c", "import openai, websockets"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "{} lacks the openai/websockets packages: run scripts/serve-test-deps.sh",
+        python.display()
+    );
+    python
+}
+
+fn py_script(name: &str) -> PathBuf {
+    root().join("toy-serve/tests/py").join(name)
+}
+
+/// Run a Python check; its stdout (one JSON object) on success, a failure with its output
+/// otherwise.
+fn run_python(script: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(venv_python())
+        .arg(py_script(script))
+        .args(args)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{script} failed:\nstdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{script} printed {stdout}: {e}"))
+}
+
+/// What `toy infer --chat` answers greedily.
+fn infer_chat(prompt: &str, n: usize) -> String {
+    let model = smollm2("Q8_0");
+    let out = toy(&[
+        "infer",
+        model.to_str().unwrap(),
+        "--chat",
+        "-p",
+        prompt,
+        "-n",
+        &n.to_string(),
+        "--temperature",
+        "0",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("infer json");
+    v["text"].as_str().expect("text").to_string()
+}
+
+/// One HTTP/1.1 request with `Connection: close`; (status, head, body).
+fn http(addr: &str, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+/// Open a streaming chat request and read until its first token event; the open socket.
+fn open_stream(addr: &str, max_tokens: usize) -> TcpStream {
+    let body = format!(
+        r#"{{"messages":[{{"role":"user","content":"Tell me a long story."}}],"max_tokens":{max_tokens},"temperature":0,"stream":true,"ignore_eos":true}}"#
+    );
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    // The role chunk, then at least one content chunk.
+    while String::from_utf8_lossy(&got).matches("data: ").count() < 2 {
+        let n = s.read(&mut buf).expect("read stream");
+        assert!(n > 0, "stream closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+    s
+}
+
+fn metric(addr: &str, name: &str) -> f64 {
+    let (_, _, body) = http(addr, "GET", "/metrics", Some(KEY), "");
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+}
+
+fn read_events(dir: &Path) -> Vec<serde_json::Value> {
+    let run = std::fs::read_dir(dir)
+        .expect("runs dir")
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with("serve-"))
+        .expect("a serve-* run directory");
+    std::fs::read_to_string(run.path().join("events.jsonl"))
+        .expect("events.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+#[test]
+fn openai_client_end_to_end_and_greedy_chat_equals_infer() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let runs = tempdir("events");
+    let mut server = Server::start(&["--events", "--runs-dir", runs.to_str().unwrap()]);
+    let out = run_python(
+        "openai_e2e.py",
+        &[&server.url, KEY, PROMPT, &N.to_string()],
+    );
+    let expected = infer_chat(PROMPT, N);
+    assert_eq!(
+        out["greedy_chat"].as_str().unwrap(),
+        expected,
+        "greedy chat through the server differs from toy infer --chat"
+    );
+
+    // SIGTERM: a clean exit, and the event log tells what happened.
+    let status = server.terminate(Duration::from_secs(30));
+    assert!(status.success(), "toy serve exited with {status}");
+    let events = read_events(&runs);
+    assert_eq!(events[0]["event"], "serve_start");
+    assert_eq!(events.last().unwrap()["event"], "serve_end");
+    assert!(events.iter().all(|e| e["schema"] == "toy/v1"));
+    let chats: Vec<_> = events
+        .iter()
+        .filter(|e| e["event"] == "request" && e["endpoint"] == "chat" && e["status"] == 200)
+        .collect();
+    assert!(chats.len() >= 5, "{} chat request events", chats.len());
+    for e in &chats {
+        assert!(e["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        assert!(e["prompt_tokens"].as_u64().unwrap() > 0);
+        assert!(e["latency_s"].as_f64().unwrap() > 0.0);
+    }
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"] == "request" && e["status"] == 404),
+        "the unknown-model request is logged"
+    );
+    let _ = std::fs::remove_dir_all(&runs);
+}
+
+#[test]
+fn chat_page_streams_a_reply_in_headless_chromium() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let chromium = ["chromium", "chromium-browser"]
+        .iter()
+        .any(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()));
+    assert!(
+        chromium,
+        "chromium is missing: run scripts/serve-test-deps.sh (apt-get install chromium)"
+    );
+    let expected = infer_chat(PROMPT, N);
+    let dir = tempdir("page");
+    let expected_file = dir.join("expected.txt");
+    std::fs::write(&expected_file, &expected).unwrap();
+    let server = Server::start(&[]);
+    let out = run_python(
+        "chat_page_cdp.py",
+        &[
+            &server.url,
+            KEY,
+            PROMPT,
+            &N.to_string(),
+            expected_file.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out["reply"].as_str().unwrap(), expected);
+    assert!(out["chunks"].as_u64().unwrap() > 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn load_test_32_clients_mixed_good_bad_and_disconnects() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--max-concurrency", "4"]);
+    let out = run_python(
+        "load_test.py",
+        &[
+            &server.url,
+            "--key",
+            KEY,
+            "--pid",
+            &server.pid().to_string(),
+            "--clients",
+            "32",
+            "--requests",
+            "4",
+            "--max-tokens",
+            "4",
+        ],
+    );
+    eprintln!("load test: {out}");
+    assert_eq!(out["failure_count"], 0, "{out}");
+    for wave in out["waves"].as_array().unwrap() {
+        assert_eq!(wave["answered_correctly"], wave["requests"], "{wave}");
+    }
+    // Still serving.
+    let (status, _, _) = http(&server.addr, "GET", "/health", None, "");
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn overload_disconnects_and_graceful_shutdown() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut server = Server::start(&["--max-concurrency", "1", "--max-queue", "0"]);
+    let addr = server.addr.clone();
+
+    // One long stream holds the only place: the next request gets 429 with Retry-After.
+    let stream = open_stream(&addr, 400);
+    let body = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2}"#;
+    let (status, head, err) = http(&addr, "POST", "/v1/chat/completions", Some(KEY), body);
+    assert_eq!(status, 429, "{head}\n{err}");
+    assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    assert!(err.contains("\"rate_limit_error\""), "{err}");
+    assert_eq!(metric(&addr, "toy_sequences_active"), 1.0);
+
+    // The client hangs up: its slot is free at once (well before its 400 tokens).
+    drop(stream);
+    let t = Instant::now();
+    while metric(&addr, "toy_requests_in_flight") > 0.0 || metric(&addr, "toy_sequences_active") > 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(5), "slot not freed after a disconnect");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(metric(&addr, "toy_sequences_cancelled_total"), 1.0);
+    let (status, _, ok) = http(&addr, "POST", "/v1/chat/completions", Some(KEY), body);
+    assert_eq!(status, 200, "{ok}");
+
+    // SIGTERM with a stream in flight: it still finishes ([DONE]), then the server exits 0.
+    let mut stream = open_stream(&addr, 24);
+    let status = Command::new("kill")
+        .args(["-TERM", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut rest = String::new();
+    stream.read_to_string(&mut rest).expect("the stream ends cleanly");
+    assert!(rest.contains("data: [DONE]"), "in-flight stream cut: {rest}");
+    let status = server.terminate_wait(Duration::from_secs(30));
+    assert!(status.success(), "exit status {status}");
+    assert!(TcpStream::connect(&addr).is_err(), "still listening after shutdown");
+}
+
+impl Server {
+    fn terminate_wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                return s;
+            }
+            assert!(Instant::now() < end, "toy serve did not exit");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[test]
+fn serve_refuses_bad_options_with_a_message() {
+    let model = smollm2("Q8_0");
+    let out = toy(&["serve", model.to_str().unwrap(), "--port", "0", "--ctx", "999999"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--ctx 999999") && err.contains("8192"), "{err}");
+    let out = toy(&["serve", "/nonexistent.gguf", "--port", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.gguf"));
+    let help = toy(&["serve", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in ["--host", "--port", "--api-key", "--max-concurrency", "--ctx", "--events"] {
+        assert!(help.contains(flag), "--help lacks {flag}");
+    }
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("toy-serve-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
