@@ -48,7 +48,9 @@ pub fn run(args: DescribeArgs) -> Result<()> {
             "rms_eps": config.rms_eps,
             "tied_embeddings": config.tied_embeddings,
             "attention_bias": config.attn_bias,
-            "qk_norm": config.qk_norm,
+            "qk_norm": format!("{:?}", config.qk_norm),
+            "ffn_description": config.describe_ffn(),
+            "distinctive": config.distinctive(),
             "vocab_size": config.vocab_size,
             "tokenizer": tokenizer.kind(),
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
@@ -79,19 +81,17 @@ pub fn run(args: DescribeArgs) -> Result<()> {
         config.n_head / config.n_head_kv,
         config.head_dim
     );
-    println!("  ffn            {} (SwiGLU)", config.d_ff);
+    println!("  ffn            {}", config.describe_ffn());
     println!("  context        {}", config.context_length);
     println!("  rope           {}", config.describe_rope());
-    println!("  rms eps        {:e}", config.rms_eps);
-    let mut extras = Vec::new();
-    if config.attn_bias {
-        extras.push("Q/K/V biases");
-    }
-    if config.qk_norm {
-        extras.push("per-head Q/K RMSNorm");
-    }
+    let norm = match config.norm {
+        toy_core::config::NormKind::Rms => "rms eps   ",
+        toy_core::config::NormKind::Layer => "layernorm eps",
+    };
+    println!("  {norm:<14} {:e}", config.rms_eps);
+    let extras = config.distinctive();
     if !extras.is_empty() {
-        println!("  attention      {}", extras.join(", "));
+        println!("  distinctive    {}", extras.join(", "));
     }
     println!(
         "  output head    {}",

@@ -3,7 +3,8 @@
 use crate::gguf::{GgufError, GgufFile};
 
 /// Architectures whose GGUF files toy can load.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] =
+    &["llama", "qwen2", "qwen3", "gemma2", "olmoe", "gpt2"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -43,6 +44,44 @@ pub enum RopeScaling {
     },
 }
 
+/// How queries and keys are normalized before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// RMSNorm of each head (weights of `head_dim`): qwen3.
+    PerHead,
+    /// RMSNorm of the whole projection (weights of `n_head * head_dim`), before splitting into
+    /// heads: olmoe.
+    Full,
+}
+
+/// The normalization layers of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// RMSNorm without bias (every llama-family architecture).
+    Rms,
+    /// LayerNorm with weight and bias (gpt2).
+    Layer,
+}
+
+/// The feed-forward network of each block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnKind {
+    /// `down(silu(gate(x)) * up(x))`.
+    SwiGlu,
+    /// `down(gelu_tanh(gate(x)) * up(x))` (gemma2).
+    GeGlu,
+    /// `down(gelu_tanh(up(x) + b) ) + b` (gpt2).
+    Gelu,
+    /// A router picks `n_expert_used` of `n_expert` SwiGLU experts per token (olmoe).
+    Moe {
+        n_expert: usize,
+        n_expert_used: usize,
+        /// Renormalize the chosen experts' softmax weights to sum to 1 (olmoe: no).
+        norm_weights: bool,
+    },
+}
+
 /// Everything the transformer needs to know about its shape, read from metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -67,8 +106,29 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Q/K/V projections have biases (qwen2).
     pub attn_bias: bool,
-    /// Per-head RMSNorm of queries and keys before RoPE (qwen3).
-    pub qk_norm: bool,
+    /// Query/key normalization before RoPE (qwen3: per head, olmoe: whole projection).
+    pub qk_norm: QkNorm,
+    /// RMSNorm or LayerNorm (`rms_eps` is the epsilon of either).
+    pub norm: NormKind,
+    pub ffn: FfnKind,
+    /// Token embeddings are multiplied by `sqrt(d_model)` (gemma2).
+    pub embed_scale: bool,
+    /// An RMSNorm after each sublayer, before its residual add (gemma2).
+    pub post_norms: bool,
+    /// Queries are multiplied by this before attention, which then uses scale 1 (gemma2's
+    /// `query_pre_attn_scalar`); `None`: scores are scaled by `1/sqrt(head_dim)`.
+    pub query_scale: Option<f32>,
+    /// Attention logits soft-capped as `cap * tanh(s / cap)` before the softmax (gemma2).
+    pub attn_softcap: Option<f32>,
+    /// Output logits soft-capped the same way (gemma2).
+    pub final_softcap: Option<f32>,
+    /// Sliding-window attention: each query sees only the last `window` positions, on the
+    /// layers `swa_layers` marks.
+    pub sliding_window: Option<usize>,
+    /// One flag per layer: does it use the sliding window? (empty when there is none)
+    pub swa_layers: Vec<bool>,
+    /// Learned absolute position embeddings (`position_embd.weight`) instead of RoPE (gpt2).
+    pub learned_positions: bool,
 }
 
 impl ModelConfig {
@@ -95,6 +155,14 @@ impl ModelConfig {
         let n_head_kv = opt_usize("attention.head_count_kv")?.unwrap_or(n_head);
         let d_ff = req_usize("feed_forward_length")?;
         let context_length = req_usize("context_length")?;
+        // Every layer has tensors: a block count beyond the tensor count is corrupt metadata
+        // (and must not size any allocation).
+        if n_layer == 0 || n_layer > file.tensors.len() {
+            return Err(ConfigError::Invalid(format!(
+                "block_count {n_layer} does not fit the file's {} tensors",
+                file.tensors.len()
+            )));
+        }
         if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(ConfigError::Invalid(format!(
                 "head_count {n_head} must be a positive multiple of head_count_kv {n_head_kv}"
@@ -122,9 +190,87 @@ impl ModelConfig {
             Some(v) => v,
             None => embd.dims.get(1).copied().unwrap_or(0) as usize,
         };
-        let rms_eps = file
-            .get_f64(&key("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-5) as f32;
+        let norm = if arch == "gpt2" {
+            NormKind::Layer
+        } else {
+            NormKind::Rms
+        };
+        let eps_key = match norm {
+            NormKind::Rms => "attention.layer_norm_rms_epsilon",
+            NormKind::Layer => "attention.layer_norm_epsilon",
+        };
+        let rms_eps = file.get_f64(&key(eps_key))?.unwrap_or(1e-5) as f32;
+        let qk_norm = match (
+            file.tensor("blk.0.attn_q_norm.weight").is_some(),
+            arch.as_str(),
+        ) {
+            (false, _) => QkNorm::None,
+            (true, "olmoe") => QkNorm::Full,
+            (true, _) => QkNorm::PerHead,
+        };
+        let ffn = match arch.as_str() {
+            "gemma2" => FfnKind::GeGlu,
+            "gpt2" => FfnKind::Gelu,
+            "olmoe" => {
+                let n_expert = req_usize("expert_count")?;
+                let n_expert_used = req_usize("expert_used_count")?;
+                if n_expert == 0 || n_expert_used == 0 || n_expert_used > n_expert {
+                    return Err(ConfigError::Invalid(format!(
+                        "expert_used_count {n_expert_used} must be between 1 and expert_count {n_expert}"
+                    )));
+                }
+                FfnKind::Moe {
+                    n_expert,
+                    n_expert_used,
+                    norm_weights: false,
+                }
+            }
+            _ => FfnKind::SwiGlu,
+        };
+        let gemma2 = arch == "gemma2";
+        let softcap = |k: &str, default: f32| -> Result<Option<f32>, ConfigError> {
+            if !gemma2 {
+                return Ok(None);
+            }
+            let cap = file.get_f64(&key(k))?.map_or(default, |v| v as f32);
+            if !(cap.is_finite() && cap > 0.0) {
+                return Err(ConfigError::Invalid(format!(
+                    "{} = {cap} must be positive",
+                    key(k)
+                )));
+            }
+            Ok(Some(cap))
+        };
+        // As llama.cpp: gemma2's own defaults (window 4096, caps 50 and 30) when the keys are
+        // absent; a `llama` file's window only when it sets one (Mistral v0.1); no window
+        // elsewhere.
+        let sliding_window = match (opt_usize("attention.sliding_window")?, arch.as_str()) {
+            (None, "gemma2") => Some(4096),
+            (Some(0), _) => None,
+            (Some(w), "gemma2" | "llama") => Some(w),
+            _ => None,
+        };
+        let swa_layers = match sliding_window {
+            None => Vec::new(),
+            // gemma2: ggml's pattern of period 2, sliding-window layers first.
+            Some(_) if gemma2 => {
+                let period = opt_usize("attention.sliding_window_pattern")?.unwrap_or(2);
+                (0..n_layer)
+                    .map(|il| period == 0 || il % period < period - 1)
+                    .collect()
+            }
+            Some(_) => vec![true; n_layer],
+        };
+        // llama.cpp's f_attention_scale for gemma2: 1/sqrt(head_dim), except the 27B model
+        // (46 layers), which uses 1/sqrt(d_model / n_head).
+        let query_scale = gemma2.then(|| {
+            let d = if n_layer == 46 {
+                d_model / n_head
+            } else {
+                head_dim
+            };
+            1.0 / (d as f32).sqrt()
+        });
         let rope_theta = file.get_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
         let rope_scaling = rope_scaling(file, &arch, context_length)?;
 
@@ -150,13 +296,90 @@ impl ModelConfig {
             rope_scaling,
             tied_embeddings: file.tensor("output.weight").is_none(),
             attn_bias: file.tensor("blk.0.attn_q.bias").is_some(),
-            qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
+            qk_norm,
+            norm,
+            ffn,
+            embed_scale: gemma2,
+            post_norms: gemma2,
+            query_scale,
+            attn_softcap: softcap("attn_logit_softcapping", 50.0)?,
+            final_softcap: softcap("final_logit_softcapping", 30.0)?,
+            sliding_window,
+            swa_layers,
+            learned_positions: arch == "gpt2",
             architecture: arch,
         })
     }
 
+    /// The settings that set this architecture apart, one short phrase each, for `toy describe`.
+    pub fn distinctive(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.learned_positions {
+            out.push("learned position embeddings (no RoPE)".to_string());
+        }
+        if self.norm == NormKind::Layer {
+            out.push("LayerNorm with bias".to_string());
+        }
+        if self.embed_scale {
+            out.push(format!("embeddings × √{}", self.d_model));
+        }
+        if self.post_norms {
+            out.push("RMSNorm before and after each sublayer".to_string());
+        }
+        if self.attn_bias {
+            out.push("Q/K/V biases".to_string());
+        }
+        match self.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => out.push("per-head Q/K RMSNorm".to_string()),
+            QkNorm::Full => out.push("Q/K RMSNorm over the whole projection".to_string()),
+        }
+        if let Some(s) = self.query_scale {
+            out.push(format!("queries × {s} (attention scale 1)"));
+        }
+        if let Some(cap) = self.attn_softcap {
+            out.push(format!("attention logit soft-cap {cap}"));
+        }
+        if let Some(cap) = self.final_softcap {
+            out.push(format!("final logit soft-cap {cap}"));
+        }
+        if let Some(w) = self.sliding_window {
+            let n = self.swa_layers.iter().filter(|&&s| s).count();
+            out.push(format!(
+                "sliding window {w} on {n} of {} layers",
+                self.n_layer
+            ));
+        }
+        out
+    }
+
+    /// The feed-forward network in words, for `toy describe`.
+    pub fn describe_ffn(&self) -> String {
+        match self.ffn {
+            FfnKind::SwiGlu => format!("{} (SwiGLU)", self.d_ff),
+            FfnKind::GeGlu => format!("{} (GELU-tanh gated)", self.d_ff),
+            FfnKind::Gelu => format!("{} (GELU-tanh, biases)", self.d_ff),
+            FfnKind::Moe {
+                n_expert,
+                n_expert_used,
+                norm_weights,
+            } => format!(
+                "mixture of experts: top-{n_expert_used} of {n_expert} SwiGLU experts of {}, softmax router{}",
+                self.d_ff,
+                if norm_weights {
+                    ", weights renormalized"
+                } else {
+                    ", weights not renormalized"
+                }
+            ),
+        }
+    }
+
     /// One line about RoPE for `toy describe`.
     pub fn describe_rope(&self) -> String {
+        if self.learned_positions {
+            return "none (learned position embeddings)".to_string();
+        }
         let scaling = match self.rope_scaling {
             RopeScaling::None => "none".to_string(),
             RopeScaling::Linear { factor } => format!("linear ×{factor}"),

@@ -8,7 +8,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use toy_core::sampling::Sampler;
 use toy_kernels::ToyBackend;
 
-use crate::llama::Transformer;
+use crate::model::CausalLm;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
@@ -73,7 +73,7 @@ fn host_logits<B: ToyBackend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, Generate
 /// Generate from `prompt`. `on_token(id)` receives each new id as it is sampled and may stop the
 /// generation by returning `ControlFlow::Break(())` (used for stop strings).
 pub fn generate<B: ToyBackend>(
-    model: &Transformer<B>,
+    model: &impl CausalLm<B>,
     prompt: &[u32],
     options: &GenerateOptions,
     sampler: &mut Sampler,
@@ -83,11 +83,11 @@ pub fn generate<B: ToyBackend>(
     if prompt.is_empty() {
         return Err(GenerateError::EmptyPrompt);
     }
-    if prompt.len() + options.max_new_tokens > model.context_length {
+    if prompt.len() + options.max_new_tokens > model.context_length() {
         return Err(GenerateError::ContextOverflow {
             prompt: prompt.len(),
             max_new: options.max_new_tokens,
-            context: model.context_length,
+            context: model.context_length(),
         });
     }
     let device = model.device();

@@ -1,16 +1,20 @@
 //! toy-models: burn modules generic over `B: ToyBackend`.
 //!
-//! [`llama::Transformer`] is the llama-family model, a normal burn `Module<B>`;
-//! [`load::load`] builds it from a GGUF file and [`save::save`] writes it as one;
+//! [`llama::Transformer`] is the llama-family model, a normal burn `Module<B>`, and
+//! [`gpt2::Gpt2`] GPT-2; [`load::load`] builds the former from a GGUF file,
+//! [`model::load_model`] either (as a [`model::Model`]), and [`save::save`] writes a llama;
 //! [`generate::Generator`] runs prefill and decode steps with a KV cache and samples on the host.
 
 pub mod generate;
+pub mod gpt2;
 pub mod llama;
 pub mod load;
+pub mod model;
 pub mod qlinear;
 pub mod save;
 
 pub use llama::{KvCache, LlamaConfig, Transformer};
 pub use load::{LoadError, load};
+pub use model::{CausalLm, Model, load_model};
 pub use qlinear::QLinear;
 pub use save::{SaveError, save};

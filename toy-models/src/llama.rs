@@ -1,13 +1,17 @@
-//! The llama-family transformer (Llama, SmolLM2, TinyLlama, Mistral): pre-norm blocks of
-//! grouped-query attention with RoPE and a SwiGLU MLP, RMSNorm, token embedding and an output
-//! head (tied or not). The hot ops go through [`ToyBackend`]: quantized matmuls (in
-//! [`QLinear`]), RoPE and causal attention.
+//! The llama-family transformer (Llama, SmolLM2, TinyLlama, Mistral, Qwen2/3, Gemma2, OLMoE):
+//! pre-norm blocks of grouped-query attention with RoPE and a gated MLP, RMSNorm, token embedding
+//! and an output head (tied or not). The variants are config fields, not copies: Q/K/V biases,
+//! Q/K norms (per head or over the whole projection), post-sublayer norms, embedding scale,
+//! GELU or SiLU gate, attention and final logit soft-caps, sliding-window layers, and a
+//! mixture-of-experts MLP. The hot ops go through [`ToyBackend`]: quantized matmuls (in
+//! [`QLinear`]), RMSNorm, SwiGLU, RoPE and causal attention; the rest are plain burn ops written
+//! to compute what ggml computes (see [`gelu_ggml`]).
 
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive, activation};
 use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
@@ -53,10 +57,56 @@ pub struct LlamaConfig {
     /// Per-head RMSNorm of queries and keys before RoPE (qwen3).
     #[config(default = false)]
     pub qk_norm: bool,
+    /// RMSNorm of the whole Q and K projections before RoPE, weights of the projection's width
+    /// (olmoe). Exclusive with `qk_norm`.
+    #[config(default = false)]
+    pub qk_norm_full: bool,
+    /// Multiply token embeddings by `sqrt(d_model)` (gemma2).
+    #[config(default = false)]
+    pub embed_scale: bool,
+    /// An RMSNorm after each sublayer, before its residual add (gemma2).
+    #[config(default = false)]
+    pub post_norms: bool,
+    /// GELU-tanh gate (gemma2) instead of SiLU.
+    #[config(default = false)]
+    pub gelu: bool,
+    /// Multiply queries by this and attend with scale 1 (gemma2); `None`: scale `1/sqrt(head_dim)`.
+    #[config(default = "None")]
+    pub query_scale: Option<f32>,
+    /// Attention logit soft-cap (gemma2).
+    #[config(default = "None")]
+    pub attn_softcap: Option<f32>,
+    /// Output logit soft-cap (gemma2).
+    #[config(default = "None")]
+    pub final_softcap: Option<f32>,
+    /// Sliding-window size for the layers `swa_layers` marks (all layers if it is empty).
+    #[config(default = "None")]
+    pub sliding_window: Option<usize>,
+    /// Per layer: does it use the sliding window?
+    #[config(default = "Vec::new()")]
+    pub swa_layers: Vec<bool>,
+    /// Mixture of experts: number of SwiGLU experts of width `d_ff` (0 = a dense MLP).
+    #[config(default = 0)]
+    pub n_expert: usize,
+    /// Experts each token uses.
+    #[config(default = 0)]
+    pub n_expert_used: usize,
+    /// Renormalize the chosen experts' weights to sum to 1.
+    #[config(default = false)]
+    pub expert_weights_norm: bool,
 }
 
 impl LlamaConfig {
     pub fn from_model_config(c: &toy_core::config::ModelConfig) -> Self {
+        use toy_core::config::{FfnKind, QkNorm};
+        let (n_expert, n_expert_used, expert_weights_norm) = match c.ffn {
+            FfnKind::Moe {
+                n_expert,
+                n_expert_used,
+                norm_weights,
+            } => (n_expert, n_expert_used, norm_weights),
+            _ => (0, 0, false),
+        };
         LlamaConfig::new(
             c.n_layer,
             c.d_model,
@@ -73,7 +123,25 @@ impl LlamaConfig {
         .with_rope_interleaved(c.rope_layout == toy_core::config::RopeLayout::Interleaved)
         .with_tied_embeddings(c.tied_embeddings)
         .with_attn_bias(c.attn_bias)
-        .with_qk_norm(c.qk_norm)
+        .with_qk_norm(c.qk_norm == QkNorm::PerHead)
+        .with_qk_norm_full(c.qk_norm == QkNorm::Full)
+        .with_embed_scale(c.embed_scale)
+        .with_post_norms(c.post_norms)
+        .with_gelu(c.ffn == FfnKind::GeGlu)
+        .with_query_scale(c.query_scale)
+        .with_attn_softcap(c.attn_softcap)
+        .with_final_softcap(c.final_softcap)
+        .with_sliding_window(c.sliding_window)
+        .with_swa_layers(c.swa_layers.clone())
+        .with_n_expert(n_expert)
+        .with_n_expert_used(n_expert_used)
+        .with_expert_weights_norm(expert_weights_norm)
+    }
+
+    /// The attention window of layer `i`, if it has one.
+    pub fn window(&self, i: usize) -> Option<usize> {
+        let on = self.swa_layers.is_empty() || self.swa_layers.get(i).copied().unwrap_or(false);
+        self.sliding_window.filter(|_| on)
     }
 
     fn rope_dim(&self) -> usize {
@@ -104,30 +172,61 @@ impl LlamaConfig {
                 .with_epsilon(self.rms_eps)
                 .init(device)
         };
+        let full_norm = |n: usize| {
+            RmsNormConfig::new(n)
+                .with_epsilon(self.rms_eps)
+                .init(device)
+        };
         let bias = |n: usize| Param::from_tensor(Tensor::zeros([n], device));
+        let (qdim, kvdim) = (self.n_head * self.head_dim, self.n_head_kv * self.head_dim);
+        let mlp = || Mlp {
+            gate: dense(self.d_ff, self.d_model),
+            up: dense(self.d_ff, self.d_model),
+            down: dense(self.d_model, self.d_ff),
+            gelu: self.gelu,
+        };
         let blocks = (0..self.n_layer)
-            .map(|_| Block {
+            .map(|i| Block {
                 attn_norm: norm(),
                 attn: Attention {
-                    wq: dense(self.n_head * self.head_dim, self.d_model),
-                    wk: dense(self.n_head_kv * self.head_dim, self.d_model),
-                    wv: dense(self.n_head_kv * self.head_dim, self.d_model),
-                    wo: dense(self.d_model, self.n_head * self.head_dim),
-                    bq: self.attn_bias.then(|| bias(self.n_head * self.head_dim)),
-                    bk: self.attn_bias.then(|| bias(self.n_head_kv * self.head_dim)),
-                    bv: self.attn_bias.then(|| bias(self.n_head_kv * self.head_dim)),
-                    q_norm: self.qk_norm.then(&head_norm),
-                    k_norm: self.qk_norm.then(&head_norm),
+                    wq: dense(qdim, self.d_model),
+                    wk: dense(kvdim, self.d_model),
+                    wv: dense(kvdim, self.d_model),
+                    wo: dense(self.d_model, qdim),
+                    bq: self.attn_bias.then(|| bias(qdim)),
+                    bk: self.attn_bias.then(|| bias(kvdim)),
+                    bv: self.attn_bias.then(|| bias(kvdim)),
+                    q_norm: match (self.qk_norm, self.qk_norm_full) {
+                        (true, _) => Some(head_norm()),
+                        (_, true) => Some(full_norm(qdim)),
+                        _ => None,
+                    },
+                    k_norm: match (self.qk_norm, self.qk_norm_full) {
+                        (true, _) => Some(head_norm()),
+                        (_, true) => Some(full_norm(kvdim)),
+                        _ => None,
+                    },
                     n_head: self.n_head,
                     n_head_kv: self.n_head_kv,
                     head_dim: self.head_dim,
+                    qk_norm_full: self.qk_norm_full,
+                    query_scale: self.query_scale,
+                    softcap: self.attn_softcap,
+                    window: self.window(i),
                 },
+                post_attn_norm: self.post_norms.then(norm),
                 ffn_norm: norm(),
-                mlp: Mlp {
-                    gate: dense(self.d_ff, self.d_model),
-                    up: dense(self.d_ff, self.d_model),
-                    down: dense(self.d_model, self.d_ff),
+                ffn: if self.n_expert > 0 {
+                    Ffn::Moe(Moe {
+                        router: dense(self.n_expert, self.d_model),
+                        experts: (0..self.n_expert).map(|_| mlp()).collect(),
+                        n_used: self.n_expert_used,
+                        norm_weights: self.expert_weights_norm,
+                    })
+                } else {
+                    Ffn::Dense(mlp())
                 },
+                post_ffn_norm: self.post_norms.then(norm),
             })
             .collect();
         let token_embd = EmbeddingConfig::new(self.vocab_size, self.d_model).init(device);
@@ -170,6 +269,8 @@ impl LlamaConfig {
             rope,
             rope_interleaved: self.rope_interleaved,
             context_length: self.context_length,
+            embed_scale: self.embed_scale.then(|| (self.d_model as f32).sqrt()),
+            final_softcap: self.final_softcap,
         }
     }
 }
@@ -186,14 +287,45 @@ pub struct Transformer<B: Backend> {
     pub rope: RopeAngles,
     pub rope_interleaved: bool,
     pub context_length: usize,
+    /// Token embeddings are multiplied by this (gemma2: `sqrt(d_model)`).
+    #[module(skip)]
+    pub embed_scale: Option<f32>,
+    /// Output logits soft-cap (gemma2).
+    #[module(skip)]
+    pub final_softcap: Option<f32>,
 }
 
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
     pub attn_norm: RmsNorm<B>,
     pub attn: Attention<B>,
+    /// Norm of the attention output before the residual add (gemma2).
+    pub post_attn_norm: Option<RmsNorm<B>>,
     pub ffn_norm: RmsNorm<B>,
-    pub mlp: Mlp<B>,
+    pub ffn: Ffn<B>,
+    /// Norm of the MLP output before the residual add (gemma2).
+    pub post_ffn_norm: Option<RmsNorm<B>>,
+}
+
+/// The feed-forward half of a block. (One per layer, so the variants' size difference costs
+/// nothing worth a `Box`, which burn's `Module` derive does not take.)
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Ffn<B: Backend> {
+    Dense(Mlp<B>),
+    Moe(Moe<B>),
+}
+
+/// Mixture of experts (olmoe): a softmax router scores every expert for each token, the
+/// `n_used` best run, and their outputs are summed weighted by their router probabilities
+/// (renormalized over the chosen ones if `norm_weights`), as llama.cpp's `build_moe_ffn`.
+#[derive(Module, Debug)]
+pub struct Moe<B: Backend> {
+    /// `[n_expert, d_model]`: one router logit per expert.
+    pub router: QLinear<B>,
+    pub experts: Vec<Mlp<B>>,
+    pub n_used: usize,
+    pub norm_weights: bool,
 }
 
 #[derive(Module, Debug)]
@@ -206,19 +338,30 @@ pub struct Attention<B: Backend> {
     pub bq: Option<Param<Tensor<B, 1>>>,
     pub bk: Option<Param<Tensor<B, 1>>>,
     pub bv: Option<Param<Tensor<B, 1>>>,
-    /// Per-head query/key RMSNorm before RoPE (qwen3).
+    /// Query/key RMSNorm before RoPE: per head (qwen3) or, with `qk_norm_full`, over the whole
+    /// projection (olmoe).
     pub q_norm: Option<RmsNorm<B>>,
     pub k_norm: Option<RmsNorm<B>>,
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
+    pub qk_norm_full: bool,
+    /// Queries are multiplied by this after RoPE and scores are not scaled again (gemma2).
+    #[module(skip)]
+    pub query_scale: Option<f32>,
+    #[module(skip)]
+    pub softcap: Option<f32>,
+    #[module(skip)]
+    pub window: Option<usize>,
 }
 
+/// A gated MLP: `down(act(gate(x)) * up(x))`, act = SiLU or (`gelu`) ggml's GELU-tanh.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
     pub gate: QLinear<B>,
     pub up: QLinear<B>,
     pub down: QLinear<B>,
+    pub gelu: bool,
 }
 
 /// Keys and values of the tokens seen so far, per layer: `[batch, n_head_kv, len, head_dim]`.
@@ -245,8 +388,13 @@ impl<B: Backend> KvCache<B> {
         self.len == 0
     }
 
+    /// Count `t` new tokens as held (after every layer appended them).
+    pub(crate) fn advance(&mut self, t: usize) {
+        self.len += t;
+    }
+
     /// Append this step's keys and values for `layer`; returns everything held for it.
-    fn append(
+    pub(crate) fn append(
         &mut self,
         layer: usize,
         k: Tensor<B, 4>,
@@ -300,24 +448,81 @@ impl<B: ToyBackend> Transformer<B> {
             past,
         };
         let mut x = self.token_embd.forward(tokens);
+        if let Some(s) = self.embed_scale {
+            x = x.mul_scalar(s);
+        }
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(x, i, cache, &step, self);
         }
-        cache.len += t;
+        cache.advance(t);
         rms_norm(&self.output_norm, x)
     }
 
     /// Logits `[batch, t, vocab]` for every new position.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
-        self.output.forward(self.forward_hidden(tokens, cache))
+        self.logits(self.forward_hidden(tokens, cache))
     }
 
     /// Logits `[batch, vocab]` of the last new position only (what generation needs).
     pub fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
         let h = self.forward_hidden(tokens, cache);
         let [b, t, d] = h.dims();
-        self.output.forward(h.narrow(1, t - 1, 1).reshape([b, d]))
+        self.logits(h.narrow(1, t - 1, 1).reshape([b, d]))
     }
+
+    /// The output head (and gemma2's final soft-cap) on final hidden states.
+    pub fn logits<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
+        let logits = self.output.forward(h);
+        match self.final_softcap {
+            Some(cap) => softcap(logits, cap),
+            None => logits,
+        }
+    }
+}
+
+/// `cap * tanh(x / cap)` as ggml computes it (`ggml_scale` by `1/cap`, `tanhf`, scale by `cap`).
+fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, cap: f32) -> Tensor<B, D> {
+    x.mul_scalar(1.0 / cap).tanh().mul_scalar(cap)
+}
+
+/// `x` rounded to the nearest f16 value (ties to even), computed in f32 arithmetic so that it
+/// runs on every backend (NdArray has no f16): for `|x|` below 10 (all this is used for), the
+/// f16 spacing `q` is a power of two found by comparisons with exact powers of two, and adding
+/// then subtracting `1.5 · 2²³ · q` rounds to a multiple of `q` in one correctly rounded f32 add.
+fn round_to_f16<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let a = x.clone().abs();
+    // Subnormal f16 spacing below 2^-14, then 2^(e-10) for |x| in [2^e, 2^(e+1)).
+    let mut q = a.zeros_like().add_scalar(2f32.powi(-24));
+    for e in -14..=4 {
+        q = q.mask_fill(
+            a.clone().greater_equal_elem(2f32.powi(e)),
+            2f32.powi(e - 10),
+        );
+    }
+    let c = q.mul_scalar(1.5 * 2f32.powi(23));
+    let r = (a + c.clone()) - c;
+    r * x.sign()
+}
+
+/// ggml's GELU (`ggml_vec_gelu_f32` with `GGML_GELU_FP16`, llama.cpp's CPU default): `x` is
+/// rounded to f16, looked up in a table of `0.5x(1 + tanh(√(2/π)·x·(1 + 0.044715x²)))` computed
+/// in f32 and stored as f16; `x ≤ -10` gives 0 and `x ≥ 10` gives `x`. Here the table entry is
+/// computed on the fly from the same f16 input with the same f32 formula. (GCC may fuse
+/// `1 + 0.044715x·x` into an FMA when it builds the table; the unit test below shows that this
+/// changes exactly one of the 37376 f16 entries in (-10, 10).)
+pub fn gelu_ggml<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    const GELU_COEF_A: f32 = 0.044715;
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let h = round_to_f16(x.clone().clamp(-10.0, 10.0));
+    let inner = h.clone().mul_scalar(SQRT_2_OVER_PI).mul(
+        h.clone()
+            .mul_scalar(GELU_COEF_A)
+            .mul(h.clone())
+            .add_scalar(1.0),
+    );
+    let g = round_to_f16(h.mul_scalar(0.5).mul(inner.tanh().add_scalar(1.0)));
+    let g = g.mask_where(x.clone().greater_equal_elem(10.0), x.clone());
+    g.mask_fill(x.lower_equal_elem(-10.0), 0.0)
 }
 
 /// RMSNorm through the backend's op (burn's `RmsNorm` holds the weight and epsilon).
@@ -338,11 +543,23 @@ impl<B: ToyBackend> Block<B> {
         step: &Step<B>,
         model: &Transformer<B>,
     ) -> Tensor<B, 3> {
-        let h = x.clone()
-            + self
-                .attn
-                .forward(rms_norm(&self.attn_norm, x), layer, cache, step, model);
-        h.clone() + self.mlp.forward(rms_norm(&self.ffn_norm, h))
+        let post = |norm: &Option<RmsNorm<B>>, y: Tensor<B, 3>| match norm {
+            Some(n) => rms_norm(n, y),
+            None => y,
+        };
+        let a = self.attn.forward(
+            rms_norm(&self.attn_norm, x.clone()),
+            layer,
+            cache,
+            step,
+            model,
+        );
+        let h = post(&self.post_attn_norm, a) + x;
+        let f = match &self.ffn {
+            Ffn::Dense(mlp) => mlp.forward(rms_norm(&self.ffn_norm, h.clone())),
+            Ffn::Moe(moe) => moe.forward(rms_norm(&self.ffn_norm, h.clone())),
+        };
+        post(&self.post_ffn_norm, f) + h
     }
 }
 
@@ -365,23 +582,35 @@ impl<B: ToyBackend> Attention<B> {
             if let Some(bias) = bias {
                 y = y + bias.val().unsqueeze::<3>();
             }
+            match norm {
+                Some(norm) if self.qk_norm_full => y = rms_norm(norm, y),
+                _ => {}
+            }
             let mut y = y.reshape([b, t, n, self.head_dim]);
-            if let Some(norm) = norm {
-                y = rms_norm(norm, y);
+            match norm {
+                Some(norm) if !self.qk_norm_full => y = rms_norm(norm, y),
+                _ => {}
             }
             y.swap_dims(1, 2)
         };
         let q = heads(&self.wq, &self.bq, &self.q_norm, self.n_head);
         let k = heads(&self.wk, &self.bk, &self.k_norm, self.n_head_kv);
         let v = heads(&self.wv, &self.bv, &None, self.n_head_kv);
-        let q = self.rope(q, step, model);
+        let mut q = self.rope(q, step, model);
         let k = self.rope(k, step, model);
         let (k, v) = cache.append(layer, k, v);
+        let scale = match self.query_scale {
+            Some(s) => {
+                q = q.mul_scalar(s);
+                1.0
+            }
+            None => 1.0 / (self.head_dim as f32).sqrt(),
+        };
         let options = AttentionOptions {
-            scale: 1.0 / (self.head_dim as f32).sqrt(),
+            scale,
             q_offset: step.past,
-            window: None,
-            softcap: None,
+            window: self.window,
+            softcap: self.softcap,
         };
         let out = <B as ToyBackend>::attention(
             q.into_primitive().tensor(),
@@ -412,12 +641,151 @@ impl<B: ToyBackend> Attention<B> {
 }
 
 impl<B: ToyBackend> Mlp<B> {
+    fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let gate = self.gate.forward(x.clone());
+        let up = self.up.forward(x);
+        let h = if self.gelu {
+            gelu_ggml(gate) * up
+        } else {
+            Tensor::from_primitive(TensorPrimitive::Float(B::swiglu(
+                gate.into_primitive().tensor(),
+                up.into_primitive().tensor(),
+            )))
+        };
+        self.down.forward(h)
+    }
+}
+
+impl<B: ToyBackend> Moe<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = self.gate.forward(x.clone()).into_primitive().tensor();
-        let up = self.up.forward(x).into_primitive().tensor();
-        self.down
-            .forward(Tensor::from_primitive(TensorPrimitive::Float(B::swiglu(
-                gate, up,
-            ))))
+        let [b, t, d] = x.dims();
+        let n = b * t;
+        let (k, n_expert) = (self.n_used, self.experts.len());
+        let x = x.reshape([n, d]);
+        let device = x.device();
+        // Routing on the host: softmax over the experts, the k most probable (ties: lower id).
+        let probs = activation::softmax(self.router.forward(x.clone()), 1)
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("router probabilities read back as f32");
+        // Slot `token * k + rank` holds the rank-th chosen expert of a token and its weight.
+        let mut slots = Vec::with_capacity(n * k);
+        for row in probs.chunks(n_expert) {
+            let mut order: Vec<usize> = (0..n_expert).collect();
+            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]).then(i.cmp(&j)));
+            let chosen = &order[..k];
+            let sum: f32 = chosen.iter().map(|&e| row[e]).sum();
+            for &e in chosen {
+                let w = if self.norm_weights {
+                    row[e] / sum.max(6.103_515_6e-5)
+                } else {
+                    row[e]
+                };
+                slots.push((e, w));
+            }
+        }
+        // Each expert runs once on the tokens routed to it; outputs are weighted, put back in
+        // slot order and summed over the ranks in order (as llama.cpp adds them).
+        let mut outputs = Vec::new();
+        let mut position = vec![0i64; n * k];
+        let mut next = 0;
+        for (e, expert) in self.experts.iter().enumerate() {
+            let mine: Vec<usize> = (0..n * k).filter(|&s| slots[s].0 == e).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let m = mine.len();
+            let rows: Vec<i64> = mine.iter().map(|&s| (s / k) as i64).collect();
+            let weights: Vec<f32> = mine.iter().map(|&s| slots[s].1).collect();
+            let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [m]), &device);
+            let weights = Tensor::<B, 2>::from_data(TensorData::new(weights, [m, 1]), &device);
+            outputs.push(expert.forward(x.clone().select(0, rows)) * weights);
+            for s in mine {
+                position[s] = next;
+                next += 1;
+            }
+        }
+        let position = Tensor::<B, 1, Int>::from_data(TensorData::new(position, [n * k]), &device);
+        let y = Tensor::cat(outputs, 0)
+            .select(0, position)
+            .reshape([n, k, d]);
+        let mut out = y.clone().narrow(1, 0, 1);
+        for r in 1..k {
+            out = out + y.clone().narrow(1, r, 1);
+        }
+        out.reshape([b, t, d])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::f16;
+
+    fn host(t: Tensor<Flex, 1>) -> Vec<f32> {
+        t.into_data().into_vec::<f32>().unwrap()
+    }
+
+    /// f16 rounding in f32 arithmetic equals a real f32 -> f16 conversion (ties to even).
+    #[test]
+    fn round_to_f16_is_exact() {
+        let mut xs: Vec<f32> = (0..200_000)
+            .map(|i| (i as f32 * 0.618_034).sin() * 9.99 * ((i % 13) as f32 / 13.0 + 1e-6))
+            .collect();
+        // Exact ties between two f16 values, and f16 subnormals.
+        xs.extend((0..2000u16).map(|b| {
+            let lo = f16::from_bits(b * 29 % 0x4900).to_f32();
+            let hi = f16::from_bits(b * 29 % 0x4900 + 1).to_f32();
+            (lo + hi) / 2.0
+        }));
+        let n = xs.len();
+        let got = host(round_to_f16(Tensor::from_data(
+            TensorData::new(xs.clone(), [n]),
+            &Default::default(),
+        )));
+        for (x, r) in xs.iter().zip(got) {
+            assert_eq!(f16::from_f32(*x).to_f32(), r, "x = {x:e}");
+        }
+    }
+
+    /// ggml's GELU table, built as ggml-cpu.c builds it (without and with the FMA GCC may use),
+    /// against `gelu_ggml` on every f16 input in (-10, 10).
+    #[test]
+    fn gelu_matches_ggml_table() {
+        fn gelu_f32(x: f32, fma: bool) -> f32 {
+            const A: f32 = 0.044715;
+            const S: f32 = 0.797_884_6;
+            let inner = if fma {
+                (A * x).mul_add(x, 1.0)
+            } else {
+                A * x * x + 1.0
+            };
+            0.5 * x * (1.0 + (S * x * inner).tanh())
+        }
+        let xs: Vec<f32> = (0..=u16::MAX)
+            .map(|b| f16::from_bits(b).to_f32())
+            .filter(|x| x.abs() < 10.0)
+            .collect();
+        let n = xs.len();
+        let table = |fma| -> Vec<f32> {
+            xs.iter()
+                .map(|&x| f16::from_f32(gelu_f32(x, fma)).to_f32())
+                .collect()
+        };
+        let got = host(gelu_ggml(Tensor::from_data(
+            TensorData::new(xs.clone(), [n]),
+            &Default::default(),
+        )));
+        assert_eq!(got, table(false));
+        let differ = table(true).iter().zip(&got).filter(|(a, b)| a != b).count();
+        assert_eq!(differ, 1);
+        // Outside (-10, 10): 0 below, the identity above.
+        let edge = host(gelu_ggml(Tensor::from_data(
+            TensorData::new(vec![-12.0f32, -10.0, 10.0, 12.5], [4]),
+            &Default::default(),
+        )));
+        assert_eq!(edge, vec![0.0, 0.0, 10.0, 12.5]);
     }
 }

@@ -3,13 +3,13 @@
 use burn::module::Param;
 use burn::nn::{Embedding, RmsNorm, RmsNormConfig};
 use burn::tensor::{Tensor, TensorData};
-use toy_core::config::{ConfigError, ModelConfig};
+use toy_core::config::{ConfigError, FfnKind, ModelConfig, NormKind, QkNorm};
 use toy_core::gguf::{GgmlType, GgufError, GgufFile, TensorInfo, tensor_to_f32};
 use toy_core::rope::RopeAngles;
 use toy_kernels::ToyBackend;
 use toy_kernels::quant::{pack_q4_0, pack_q4_1, pack_q8_0};
 
-use crate::llama::{Attention, Block, LlamaConfig, Mlp, Transformer};
+use crate::llama::{Attention, Block, Ffn, LlamaConfig, Mlp, Moe, Transformer};
 use crate::qlinear::{PackedMatrix, QLinear};
 
 #[derive(Debug, thiserror::Error)]
@@ -20,6 +20,8 @@ pub enum LoadError {
     Gguf(#[from] GgufError),
     #[error("tensor {0:?} is missing from the GGUF file")]
     MissingTensor(String),
+    #[error("{0} is not a llama-family architecture: load it with toy_models::load_model")]
+    NotLlama(String),
     #[error("tensor {name:?} has shape {found:?} (ggml order), expected {expected:?}")]
     ShapeMismatch {
         name: String,
@@ -35,6 +37,9 @@ pub fn load<B: ToyBackend>(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<(ModelConfig, Transformer<B>), LoadError> {
     let config = ModelConfig::from_gguf(file)?;
+    if config.norm != NormKind::Rms || config.learned_positions {
+        return Err(LoadError::NotLlama(config.architecture));
+    }
     let c = &config;
     let total = 3 + 9 * c.n_layer;
     let mut done = 0;
@@ -56,6 +61,7 @@ pub fn load<B: ToyBackend>(
     let output_norm = norm(file, "output_norm.weight", c.d_model, c, device)?;
     tick();
 
+    let llama = LlamaConfig::from_model_config(c);
     let mut blocks = Vec::with_capacity(c.n_layer);
     for i in 0..c.n_layer {
         let name = |t: &str| format!("blk.{i}.{t}.weight");
@@ -90,32 +96,81 @@ pub fn load<B: ToyBackend>(
                 c.attn_bias,
                 device,
             )?,
-            q_norm: c
-                .qk_norm
-                .then(|| norm(file, &name("attn_q_norm"), c.head_dim, c, device))
-                .transpose()?,
-            k_norm: c
-                .qk_norm
-                .then(|| norm(file, &name("attn_k_norm"), c.head_dim, c, device))
-                .transpose()?,
+            q_norm: match c.qk_norm {
+                QkNorm::None => None,
+                QkNorm::PerHead => Some(norm(file, &name("attn_q_norm"), c.head_dim, c, device)?),
+                QkNorm::Full => Some(norm(file, &name("attn_q_norm"), qdim, c, device)?),
+            },
+            k_norm: match c.qk_norm {
+                QkNorm::None => None,
+                QkNorm::PerHead => Some(norm(file, &name("attn_k_norm"), c.head_dim, c, device)?),
+                QkNorm::Full => Some(norm(file, &name("attn_k_norm"), kvdim, c, device)?),
+            },
             n_head: c.n_head,
             n_head_kv: c.n_head_kv,
             head_dim: c.head_dim,
+            qk_norm_full: c.qk_norm == QkNorm::Full,
+            query_scale: c.query_scale,
+            softcap: c.attn_softcap,
+            window: llama.window(i),
         };
-        let mlp = Mlp {
-            gate: lin("ffn_gate", c.d_model, c.d_ff)?,
-            up: lin("ffn_up", c.d_model, c.d_ff)?,
-            down: lin("ffn_down", c.d_ff, c.d_model)?,
+        let gelu = c.ffn == FfnKind::GeGlu;
+        let ffn = match c.ffn {
+            FfnKind::SwiGlu | FfnKind::GeGlu => Ffn::Dense(Mlp {
+                gate: lin("ffn_gate", c.d_model, c.d_ff)?,
+                up: lin("ffn_up", c.d_model, c.d_ff)?,
+                down: lin("ffn_down", c.d_ff, c.d_model)?,
+                gelu,
+            }),
+            FfnKind::Moe {
+                n_expert,
+                n_expert_used,
+                norm_weights,
+            } => {
+                let router = lin("ffn_gate_inp", c.d_model, n_expert)?;
+                let exps = |t: &str, inp: usize, out: usize| {
+                    experts(file, &name(t), inp, out, n_expert, device)
+                };
+                let gates = exps("ffn_gate_exps", c.d_model, c.d_ff)?;
+                let ups = exps("ffn_up_exps", c.d_model, c.d_ff)?;
+                let downs = exps("ffn_down_exps", c.d_ff, c.d_model)?;
+                tick();
+                let experts = gates
+                    .into_iter()
+                    .zip(ups)
+                    .zip(downs)
+                    .map(|((gate, up), down)| Mlp {
+                        gate,
+                        up,
+                        down,
+                        gelu: false,
+                    })
+                    .collect();
+                Ffn::Moe(Moe {
+                    router,
+                    experts,
+                    n_used: n_expert_used,
+                    norm_weights,
+                })
+            }
+            FfnKind::Gelu => return Err(LoadError::NotLlama(c.architecture.clone())),
         };
         let attn_norm = norm(file, &name("attn_norm"), c.d_model, c, device)?;
         tick();
         let ffn_norm = norm(file, &name("ffn_norm"), c.d_model, c, device)?;
         tick();
+        let post = |t: &str| {
+            c.post_norms
+                .then(|| norm(file, &name(t), c.d_model, c, device))
+                .transpose()
+        };
         blocks.push(Block {
             attn_norm,
             attn,
+            post_attn_norm: post("post_attention_norm")?,
             ffn_norm,
-            mlp,
+            ffn,
+            post_ffn_norm: post("post_ffw_norm")?,
         });
     }
     // Llama 3.x stores per-pair frequency divisors as a tensor.
@@ -127,14 +182,61 @@ pub fn load<B: ToyBackend>(
         None => None,
     };
     let rope = RopeAngles::new(c, freq_factors);
-    let model =
-        LlamaConfig::from_model_config(c).assemble(token_embd, blocks, output_norm, output, rope);
+    let model = llama.assemble(token_embd, blocks, output_norm, output, rope);
     tick();
     Ok((config, model))
 }
 
+/// The experts of a 3-D `ffn_*_exps` tensor (ggml dims `[in, out, n_expert]`: expert `e` is
+/// the `e`-th `[out, in]` matrix), one `QLinear` each; packed formats stay packed.
+fn experts<B: ToyBackend>(
+    file: &GgufFile,
+    name: &str,
+    inp: usize,
+    out: usize,
+    n_expert: usize,
+    device: &B::Device,
+) -> Result<Vec<QLinear<B>>, LoadError> {
+    let info = tensor(file, name, &[inp, out, n_expert])?;
+    let data = file.tensor_data(info);
+    let per_expert = data.len() / n_expert;
+    let packed = |pack: fn(&[u8], usize, usize) -> _, e: usize| {
+        PackedMatrix::from_host(
+            pack(&data[e * per_expert..(e + 1) * per_expert], out, inp),
+            device,
+        )
+    };
+    Ok(match info.ggml_type {
+        GgmlType::Q8_0 => (0..n_expert)
+            .map(|e| QLinear::Q8_0(packed(pack_q8_0, e)))
+            .collect(),
+        GgmlType::Q4_0 => (0..n_expert)
+            .map(|e| QLinear::Q4_0(packed(pack_q4_0, e)))
+            .collect(),
+        GgmlType::Q4_1 => (0..n_expert)
+            .map(|e| QLinear::Q4_1(packed(pack_q4_1, e)))
+            .collect(),
+        _ => {
+            let values = tensor_to_f32(file, info)?;
+            values
+                .chunks(out * inp)
+                .map(|m| {
+                    QLinear::Dense(Param::from_tensor(Tensor::from_data(
+                        TensorData::new(m.to_vec(), [out, inp]),
+                        device,
+                    )))
+                })
+                .collect()
+        }
+    })
+}
+
 /// Look up a tensor and check its ggml dims (`[in, out]` for a matrix).
-fn tensor<'a>(file: &'a GgufFile, name: &str, dims: &[usize]) -> Result<&'a TensorInfo, LoadError> {
+pub(crate) fn tensor<'a>(
+    file: &'a GgufFile,
+    name: &str,
+    dims: &[usize],
+) -> Result<&'a TensorInfo, LoadError> {
     let info = file
         .tensor(name)
         .ok_or_else(|| LoadError::MissingTensor(name.to_string()))?;
@@ -150,7 +252,7 @@ fn tensor<'a>(file: &'a GgufFile, name: &str, dims: &[usize]) -> Result<&'a Tens
 }
 
 /// A tensor dequantized to f32, in PyTorch order.
-fn dense_tensor<B: ToyBackend, const D: usize>(
+pub(crate) fn dense_tensor<B: ToyBackend, const D: usize>(
     file: &GgufFile,
     info: &TensorInfo,
     device: &B::Device,
@@ -192,7 +294,7 @@ fn bias<B: ToyBackend>(
 }
 
 /// A weight `[in, out]` (ggml order) as a `QLinear`: Q8_0/Q4_0/Q4_1 stay packed, the rest is f32.
-fn linear<B: ToyBackend>(
+pub(crate) fn linear<B: ToyBackend>(
     file: &GgufFile,
     name: &str,
     inp: usize,

@@ -15,7 +15,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use toy_core::gguf::{GgmlType, GgufError, GgufWriter, Value};
 
-use crate::llama::{LlamaConfig, Transformer};
+use crate::llama::{Ffn, LlamaConfig, Transformer};
 use crate::qlinear::QLinear;
 
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +60,30 @@ pub fn to_gguf<B: Backend>(
     }
     if config.qk_norm {
         return Err(SaveError::Architecture("per-head Q/K norms (qwen3)"));
+    }
+    if config.qk_norm_full {
+        return Err(SaveError::Architecture(
+            "whole-projection Q/K norms (olmoe)",
+        ));
+    }
+    if config.n_expert > 0 {
+        return Err(SaveError::Architecture("a mixture-of-experts MLP (olmoe)"));
+    }
+    if config.embed_scale || config.post_norms || config.gelu {
+        return Err(SaveError::Architecture(
+            "gemma2's embedding scale, post-norms or GELU gate",
+        ));
+    }
+    if config.attn_softcap.is_some() || config.final_softcap.is_some() {
+        return Err(SaveError::Architecture("logit soft-caps (gemma2)"));
+    }
+    if config.query_scale.is_some() {
+        return Err(SaveError::Architecture(
+            "a query pre-attention scale (gemma2)",
+        ));
+    }
+    if config.sliding_window.is_some() {
+        return Err(SaveError::Architecture("sliding-window attention"));
     }
     if !config.rope_interleaved {
         return Err(SaveError::Architecture("half-split (neox) RoPE"));
@@ -117,15 +141,18 @@ pub fn to_gguf<B: Backend>(
     }
     for (i, b) in model.blocks.iter().enumerate() {
         let name = |t: &str| format!("blk.{i}.{t}.weight");
+        let Ffn::Dense(mlp) = &b.ffn else {
+            return Err(SaveError::Architecture("a mixture-of-experts MLP (olmoe)"));
+        };
         add(&mut w, &name("attn_norm"), &b.attn_norm.gamma, &[d])?;
         add_linear(&mut w, &name("attn_q"), &b.attn.wq, &[qdim, d])?;
         add_linear(&mut w, &name("attn_k"), &b.attn.wk, &[kvdim, d])?;
         add_linear(&mut w, &name("attn_v"), &b.attn.wv, &[kvdim, d])?;
         add_linear(&mut w, &name("attn_output"), &b.attn.wo, &[d, qdim])?;
         add(&mut w, &name("ffn_norm"), &b.ffn_norm.gamma, &[d])?;
-        add_linear(&mut w, &name("ffn_gate"), &b.mlp.gate, &[c.d_ff, d])?;
-        add_linear(&mut w, &name("ffn_up"), &b.mlp.up, &[c.d_ff, d])?;
-        add_linear(&mut w, &name("ffn_down"), &b.mlp.down, &[d, c.d_ff])?;
+        add_linear(&mut w, &name("ffn_gate"), &mlp.gate, &[c.d_ff, d])?;
+        add_linear(&mut w, &name("ffn_up"), &mlp.up, &[c.d_ff, d])?;
+        add_linear(&mut w, &name("ffn_down"), &mlp.down, &[d, c.d_ff])?;
     }
     Ok(w)
 }

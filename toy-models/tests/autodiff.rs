@@ -16,6 +16,7 @@ use burn::module::{AutodiffModule, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, activation};
 use toy_kernels::ToyBackend;
+use toy_models::llama::{Block, Ffn, Mlp};
 use toy_models::{LlamaConfig, QLinear, Transformer};
 
 /// Mean next-token cross-entropy of `tokens[b, t]` (targets are the tokens shifted by one).
@@ -68,12 +69,20 @@ fn param<B: Backend>(model: &mut Transformer<B>, which: Which) -> ParamMut<'_, B
         Which::Wk(l) => Matrix(dense(&mut model.blocks[l].attn.wk)),
         Which::Wv(l) => Matrix(dense(&mut model.blocks[l].attn.wv)),
         Which::Wo(l) => Matrix(dense(&mut model.blocks[l].attn.wo)),
-        Which::Gate(l) => Matrix(dense(&mut model.blocks[l].mlp.gate)),
-        Which::Down(l) => Matrix(dense(&mut model.blocks[l].mlp.down)),
+        Which::Gate(l) => Matrix(dense(&mut mlp(&mut model.blocks[l]).gate)),
+        Which::Down(l) => Matrix(dense(&mut mlp(&mut model.blocks[l]).down)),
         Which::Output => Matrix(dense(&mut model.output)),
         Which::AttnNorm(l) => Vector(&mut model.blocks[l].attn_norm.gamma),
         Which::FfnNorm(l) => Vector(&mut model.blocks[l].ffn_norm.gamma),
         Which::OutputNorm => Vector(&mut model.output_norm.gamma),
+    }
+}
+
+/// The dense MLP of a block (these tests build dense models).
+fn mlp<B: Backend>(block: &mut Block<B>) -> &mut Mlp<B> {
+    match &mut block.ffn {
+        Ffn::Dense(m) => m,
+        Ffn::Moe(_) => unreachable!("the test model is dense"),
     }
 }
 

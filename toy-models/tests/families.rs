@@ -1,9 +1,24 @@
-//! Model families and RoPE variants beyond SmolLM2, on tiny random-weight GGUFs (fixtures/models/, made by
-//! make_tiny_models.py) against llama.cpp's outputs on the same files: tokenization, greedy ids
-//! (16 steps, margins down to 0.004) and every position's top-8 logits.
+//! Model families and RoPE variants beyond SmolLM2, on tiny random-weight GGUFs (fixtures/models/,
+//! made by make_tiny_models.py and make_family_models.py) against llama.cpp's outputs on the same
+//! files: tokenization of the prompts, greedy ids (16 or 24 steps, with every step required, the
+//! smallest llama.cpp top-2 margin being 0.0009) and the top-8 logits at every prompt position.
 //!
-//! Tolerance for logits: 2e-6, the oracle's print precision — the CPU backend computes these
-//! Q8_0 models the way llama.cpp does, bit for bit (docs/correctness.md).
+//! Tolerances for logits, measured and written per fixture kind:
+//! - Q8_0 fixtures (qwen2, qwen3, llama3, qwen2-yarn): 2e-6, the oracle's print precision — the
+//!   CPU backend computes these models the way llama.cpp does, bit for bit (docs/correctness.md).
+//! - F32 fixtures without GELU (olmoe, mistral): 1e-5 (measured: 1.7e-6). Dense F32 matmuls use
+//!   burn's gemm, whose summation order differs from ggml's, and the MoE router's softmax is
+//!   burn's: ulp-level differences that stay ulp-level.
+//! - F32 fixtures with GELU (gemma2, gpt2): 5e-4 (measured: 5.4e-5 and 1.8e-4). llama.cpp's CPU
+//!   GELU rounds its input to f16 and looks the result up in an f16 table (toy does the same,
+//!   identical on every f16 input but one, see `gelu_ggml`); an ulp-level difference upstream
+//!   (the gemm order again) that moves an input across an f16 rounding boundary changes that
+//!   activation by an f16 step (~5e-4 relative), which is what these deviations are.
+//!
+//! Measured deviations are printed by each test (`cargo test -- --nocapture`).
+//!
+//! The test bodies are generic over `B: ToyBackend` so that every backend can run them; the
+//! `#[test]` functions below run them on `cpu` (Flex).
 
 mod common;
 
@@ -14,6 +29,15 @@ use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
 use toy_core::gguf::GgufFile;
 use toy_core::tokenizer::Tokenizer;
+use toy_kernels::ToyBackend;
+use toy_models::{CausalLm, Model, load_model};
+
+/// Q8_0 fixtures: bit-exact arithmetic, so the oracle's print precision.
+const QUANTIZED_TOL: f64 = 2e-6;
+/// F32 fixtures without GELU: see the module docs.
+const F32_TOL: f64 = 1e-5;
+/// F32 fixtures with ggml's f16-table GELU: see the module docs.
+const GELU_TOL: f64 = 5e-4;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/models")).join(name)
@@ -27,38 +51,34 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn check(name: &str, arch: &str) {
-    let expected: Value = serde_json::from_str(
+fn expected(name: &str) -> Value {
+    serde_json::from_str(
         &std::fs::read_to_string(fixture(&format!("tiny-{name}.expected.json"))).unwrap(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+fn load<B: ToyBackend>(name: &str, device: &B::Device) -> (GgufFile, String, Model<B>) {
     let file = GgufFile::open(fixture(&format!("tiny-{name}.gguf"))).unwrap();
-    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
-    let device = Default::default();
-    let (config, model) = toy_models::load::<Flex>(&file, &device, |_, _| {}).unwrap();
-    assert_eq!(config.architecture, arch);
+    let (config, model) = load_model::<B>(&file, device, |_, _| {}).unwrap();
+    (file, config.architecture, model)
+}
 
-    for case in expected["greedy"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let text = case["prompt"].as_str().unwrap();
-        assert_eq!(
-            tokenizer.encode(text, true, true).unwrap(),
-            prompt,
-            "{arch}: tokens of {text:?}"
-        );
-        let want = ids(&case["gen_ids"]);
-        let got = common::greedy(&model, &prompt, want.len());
-        assert_eq!(got, want, "{arch}: greedy ids after {text:?}");
-    }
-
+/// Largest |toy - llama.cpp| over llama.cpp's top-8 logits at every position of every prompt.
+fn logit_deviation<B: ToyBackend>(
+    model: &impl CausalLm<B>,
+    expected: &Value,
+    device: &B::Device,
+) -> f64 {
     let mut worst = 0.0f64;
     for case in expected["logits"].as_array().unwrap() {
         let prompt: Vec<i64> = ids(&case["ids"]).into_iter().map(i64::from).collect();
         let n = prompt.len();
-        let tokens = Tensor::<Flex, 2, Int>::from_data(TensorData::new(prompt, [1, n]), &device);
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(prompt, [1, n]), device);
         let logits = model
             .forward(tokens, &mut model.new_cache())
             .into_data()
+            .convert::<f32>()
             .into_vec::<f32>()
             .unwrap();
         let vocab = logits.len() / n;
@@ -69,37 +89,199 @@ fn check(name: &str, arch: &str) {
                     pair[0].as_u64().unwrap() as usize,
                     pair[1].as_f64().unwrap(),
                 );
-                let err = (logits[pos * vocab + id] as f64 - want).abs();
-                worst = worst.max(err);
-                assert!(
-                    err <= 2e-6,
-                    "{arch}: position {pos} logit[{id}] {} vs llama.cpp {want}",
-                    logits[pos * vocab + id]
-                );
+                worst = worst.max((logits[pos * vocab + id] as f64 - want).abs());
             }
         }
     }
+    worst
+}
+
+/// Tokenization, greedy ids and logits of fixture `name` (architecture `arch`) on backend `B`.
+fn check<B: ToyBackend>(name: &str, arch: &str, tol: f64, device: &B::Device) {
+    let expected = expected(name);
+    let (file, architecture, model) = load::<B>(name, device);
+    assert_eq!(architecture, arch);
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+
+    for case in expected["greedy"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let text = case["prompt"].as_str().unwrap();
+        assert_eq!(
+            tokenizer.encode(text, true, true).unwrap(),
+            prompt,
+            "{name}: tokens of {text:?}"
+        );
+        let want = ids(&case["gen_ids"]);
+        let got = common::greedy(&model, &prompt, want.len());
+        assert_eq!(got, want, "{name}: greedy ids after {text:?}");
+    }
+
+    let worst = logit_deviation(&model, &expected, device);
     eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
+    assert!(
+        worst <= tol,
+        "{name}: logits differ from llama.cpp's by {worst:e} (tolerance {tol:e})"
+    );
+}
+
+fn cpu(name: &str, arch: &str, tol: f64) {
+    check::<Flex>(name, arch, tol, &Default::default());
 }
 
 #[test]
 fn qwen2_matches_llama_cpp() {
-    check("qwen2", "qwen2");
+    cpu("qwen2", "qwen2", QUANTIZED_TOL);
 }
 
 #[test]
 fn qwen3_matches_llama_cpp() {
-    check("qwen3", "qwen3");
+    cpu("qwen3", "qwen3", QUANTIZED_TOL);
 }
 
 /// Llama 3.1-style `rope_freqs.weight` frequency divisors (greedy margins down to 0.0009).
 #[test]
 fn llama3_rope_freqs_match_llama_cpp() {
-    check("llama3", "llama");
+    cpu("llama3", "llama", QUANTIZED_TOL);
 }
 
 /// YaRN RoPE scaling (factor 4 over an original context of 64).
 #[test]
 fn qwen2_yarn_matches_llama_cpp() {
-    check("qwen2-yarn", "qwen2");
+    cpu("qwen2-yarn", "qwen2", QUANTIZED_TOL);
+}
+
+/// Gemma2: embedding scale, pre and post norms, GELU-tanh gate, both soft-caps, a
+/// sliding-window layer (window 4) and a global one, SentencePiece vocabulary without the space
+/// prefix.
+#[test]
+fn gemma2_matches_llama_cpp() {
+    cpu("gemma2", "gemma2", GELU_TOL);
+}
+
+/// OLMoE: top-3 of 8 experts with softmax weights, Q/K norms over the whole projection.
+#[test]
+fn olmoe_matches_llama_cpp() {
+    cpu("olmoe", "olmoe", F32_TOL);
+}
+
+/// GPT-2: learned positions, LayerNorm, fused QKV, biases, GELU, tied output.
+#[test]
+fn gpt2_matches_llama_cpp() {
+    cpu("gpt2", "gpt2", GELU_TOL);
+}
+
+/// A Mistral/TinyLlama-style `llama` with a SentencePiece byte-fallback vocabulary and GQA 4:1.
+#[test]
+fn mistral_spm_matches_llama_cpp() {
+    cpu("mistral", "llama", F32_TOL);
+}
+
+/// The gemma2 fixture really exercises what sets gemma2 apart: without the sliding window on
+/// layer 0, or without either soft-cap, toy's logits move far outside the tolerance.
+#[test]
+fn gemma2_fixture_depends_on_window_and_softcaps() {
+    let device = Default::default();
+    let expected = expected("gemma2");
+    type Edit = fn(&mut toy_models::Transformer<Flex>);
+    let edits: [(&str, Edit); 3] = [
+        ("no sliding window", |m| m.blocks[0].attn.window = None),
+        ("no attention soft-cap", |m| {
+            m.blocks.iter_mut().for_each(|b| b.attn.softcap = None)
+        }),
+        ("no final soft-cap", |m| m.final_softcap = None),
+    ];
+    for (what, edit) in edits {
+        let (_, _, model) = load::<Flex>("gemma2", &device);
+        let Model::Llama(mut model) = model else {
+            panic!("gemma2 is a llama-family model")
+        };
+        assert!(model.blocks[0].attn.window == Some(4) && model.blocks[1].attn.window.is_none());
+        edit(&mut model);
+        let worst = logit_deviation(&model, &expected, &device);
+        assert!(
+            worst > 1e-2,
+            "{what}: logits still within {worst:e} of llama.cpp's"
+        );
+    }
+}
+
+/// Metadata or tensors that contradict the architecture are clear errors, not panics: each case
+/// edits one fixture and checks the message names the problem.
+#[test]
+fn hostile_family_metadata_is_a_clear_error() {
+    use toy_core::gguf::{GgufWriter, Value};
+    let cases: [(&str, &str, Value, &str); 6] = [
+        (
+            "olmoe",
+            "olmoe.expert_used_count",
+            Value::U32(9),
+            "expert_used_count 9",
+        ),
+        (
+            "olmoe",
+            "olmoe.expert_count",
+            Value::U32(0),
+            "expert_used_count 3",
+        ),
+        (
+            "olmoe",
+            "olmoe.block_count",
+            Value::U64(1 << 40),
+            "block_count",
+        ),
+        (
+            "gemma2",
+            "gemma2.attn_logit_softcapping",
+            Value::F32(-1.0),
+            "attn_logit_softcapping",
+        ),
+        (
+            "gemma2",
+            "gemma2.final_logit_softcapping",
+            Value::F32(f32::NAN),
+            "final_logit_softcapping",
+        ),
+        // The experts' tensors no longer have the shape the metadata implies.
+        (
+            "olmoe",
+            "olmoe.feed_forward_length",
+            Value::U32(32),
+            "ffn_gate_exps",
+        ),
+    ];
+    for (name, key, value, expect) in cases {
+        let file = GgufFile::open(fixture(&format!("tiny-{name}.gguf"))).unwrap();
+        let mut w = GgufWriter::from_file_with_tensors(&file).unwrap();
+        w.set(key, value).unwrap();
+        let mut bytes = Vec::new();
+        w.write_to(&mut bytes).unwrap();
+        let edited = GgufFile::from_bytes(bytes).unwrap();
+        let err = load_model::<Flex>(&edited, &Default::default(), |_, _| {})
+            .err()
+            .unwrap_or_else(|| panic!("{key}: loaded"));
+        assert!(err.to_string().contains(expect), "{key}: {err}");
+    }
+}
+
+/// An architecture toy does not run is refused with the list of those it does.
+#[test]
+fn unsupported_architecture_names_the_supported_ones() {
+    use toy_core::gguf::{GgufWriter, Value};
+    let file = GgufFile::open(fixture("tiny-gpt2.gguf")).unwrap();
+    let mut w = GgufWriter::from_file_with_tensors(&file).unwrap();
+    w.set("general.architecture", Value::String("mamba".into()))
+        .unwrap();
+    let mut bytes = Vec::new();
+    w.write_to(&mut bytes).unwrap();
+    let err = load_model::<Flex>(
+        &GgufFile::from_bytes(bytes).unwrap(),
+        &Default::default(),
+        |_, _| {},
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    for arch in ["llama", "qwen2", "qwen3", "gemma2", "olmoe", "gpt2"] {
+        assert!(err.contains(arch), "{err}");
+    }
 }

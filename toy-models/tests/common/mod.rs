@@ -5,9 +5,9 @@
 
 use std::path::PathBuf;
 
-use burn::backend::Flex;
 use toy_core::sampling::{Sampler, SamplingParams};
-use toy_models::Transformer;
+use toy_kernels::ToyBackend;
+use toy_models::CausalLm;
 use toy_models::generate::{GenerateOptions, generate};
 
 /// `SmolLM2-135M-Instruct.<kind>.gguf` in the model cache (`TOY_MODEL_CACHE`, default
@@ -35,7 +35,7 @@ pub fn oracle(name: &str) -> serde_json::Value {
 }
 
 /// `n` greedy ids after `prompt`, not stopping at end-of-generation tokens (as the oracle runs).
-pub fn greedy(model: &Transformer<Flex>, prompt: &[u32], n: usize) -> Vec<u32> {
+pub fn greedy<B: ToyBackend>(model: &impl CausalLm<B>, prompt: &[u32], n: usize) -> Vec<u32> {
     let options = GenerateOptions {
         max_new_tokens: n,
         stop_at_eog: false,

@@ -1,0 +1,243 @@
+//! GPT-2: learned absolute position embeddings, pre-LayerNorm blocks (weight and bias) of
+//! multi-head attention with one fused QKV projection (with bias) and an output projection (with
+//! bias), a GELU MLP with biases, a final LayerNorm and the output head tied to the token
+//! embedding. Not a llama variant (no RoPE, no RMSNorm, no gate), so it is its own module; it
+//! shares [`QLinear`], the KV cache and the backend's attention op with the llama family.
+//!
+//! The GGUF layout is llama.cpp's `gpt2`: `position_embd.weight`, `blk.N.attn_qkv.{weight,bias}`
+//! (Q, K, V stacked along the output), `attn_output`, `ffn_up`, `ffn_down` with biases, and the
+//! `attn_norm`/`ffn_norm`/`output_norm` LayerNorms.
+
+use burn::module::{Module, Param};
+use burn::nn::Embedding;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use toy_core::config::ModelConfig;
+use toy_core::gguf::GgufFile;
+use toy_kernels::{AttentionOptions, ToyBackend};
+
+use crate::llama::{KvCache, gelu_ggml};
+use crate::load::{LoadError, dense_tensor, linear, tensor};
+use crate::qlinear::QLinear;
+
+/// The whole GPT-2 model.
+#[derive(Module, Debug)]
+pub struct Gpt2<B: Backend> {
+    pub token_embd: Embedding<B>,
+    /// `[context_length, d_model]`: one learned vector per position.
+    pub pos_embd: Embedding<B>,
+    pub blocks: Vec<Gpt2Block<B>>,
+    pub output_norm: LayerNorm<B>,
+    pub output: QLinear<B>,
+    pub context_length: usize,
+}
+
+#[derive(Module, Debug)]
+pub struct Gpt2Block<B: Backend> {
+    pub attn_norm: LayerNorm<B>,
+    /// `[3 * d_model, d_model]`: Q, K and V stacked.
+    pub qkv: Linear<B>,
+    pub wo: Linear<B>,
+    pub ffn_norm: LayerNorm<B>,
+    pub up: Linear<B>,
+    pub down: Linear<B>,
+    pub n_head: usize,
+}
+
+/// A linear layer with bias.
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    pub weight: QLinear<B>,
+    pub bias: Param<Tensor<B, 1>>,
+}
+
+/// LayerNorm over the last dim: `(x - mean) / sqrt(var + eps) * weight + bias`, in ggml's order
+/// (`ggml_norm`, then `ggml_mul` by the weight, then `ggml_add` of the bias).
+#[derive(Module, Debug)]
+pub struct LayerNorm<B: Backend> {
+    pub weight: Param<Tensor<B, 1>>,
+    pub bias: Param<Tensor<B, 1>>,
+    pub eps: f64,
+}
+
+impl<B: Backend> LayerNorm<B> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let mean = x.clone().mean_dim(D - 1);
+        let centered = x - mean;
+        let var = centered.clone().square().mean_dim(D - 1);
+        let scale = var.add_scalar(self.eps).sqrt().recip();
+        centered * scale * self.weight.val().unsqueeze() + self.bias.val().unsqueeze()
+    }
+}
+
+impl<B: ToyBackend> Linear<B> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.weight.forward(x) + self.bias.val().unsqueeze()
+    }
+}
+
+impl<B: ToyBackend> Gpt2<B> {
+    pub fn n_layer(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn device(&self) -> B::Device {
+        self.output_norm.weight.device()
+    }
+
+    pub fn new_cache(&self) -> KvCache<B> {
+        KvCache::new(self.blocks.len())
+    }
+
+    /// Final hidden states `[batch, t, d_model]` of `tokens` after the cached ones.
+    pub fn forward_hidden(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        let [b, t] = tokens.dims();
+        let past = cache.len();
+        let positions: Vec<i64> = (past..past + t).map(|p| p as i64).collect();
+        let positions =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [1, t]), &tokens.device())
+                .expand([b, t]);
+        let mut x = self.token_embd.forward(tokens) + self.pos_embd.forward(positions);
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = block.forward(x, i, cache, past);
+        }
+        cache.advance(t);
+        self.output_norm.forward(x)
+    }
+
+    /// Logits `[batch, t, vocab]` for every new position.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        self.output.forward(self.forward_hidden(tokens, cache))
+    }
+
+    /// Logits `[batch, vocab]` of the last new position.
+    pub fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
+        let h = self.forward_hidden(tokens, cache);
+        let [b, t, d] = h.dims();
+        self.output.forward(h.narrow(1, t - 1, 1).reshape([b, d]))
+    }
+}
+
+impl<B: ToyBackend> Gpt2Block<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        layer: usize,
+        cache: &mut KvCache<B>,
+        past: usize,
+    ) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let head_dim = d / self.n_head;
+        let qkv = self.qkv.forward(self.attn_norm.forward(x.clone()));
+        let heads = |i: usize| {
+            qkv.clone()
+                .narrow(2, i * d, d)
+                .reshape([b, t, self.n_head, head_dim])
+                .swap_dims(1, 2)
+        };
+        let (k, v) = cache.append(layer, heads(1), heads(2));
+        let options = AttentionOptions {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            q_offset: past,
+            window: None,
+            softcap: None,
+        };
+        let out = <B as ToyBackend>::attention(
+            heads(0).into_primitive().tensor(),
+            k.into_primitive().tensor(),
+            v.into_primitive().tensor(),
+            options,
+        );
+        let out: Tensor<B, 4> = Tensor::from_primitive(TensorPrimitive::Float(out));
+        let h = self.wo.forward(out.swap_dims(1, 2).reshape([b, t, d])) + x;
+        let f = self
+            .down
+            .forward(gelu_ggml(self.up.forward(self.ffn_norm.forward(h.clone()))));
+        f + h
+    }
+}
+
+/// Load a `gpt2` GGUF onto `device`. `progress(done, total)` is called after each block.
+pub fn load_gpt2<B: ToyBackend>(
+    file: &GgufFile,
+    config: &ModelConfig,
+    device: &B::Device,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Gpt2<B>, LoadError> {
+    let c = config;
+    let d = c.d_model;
+    if c.n_head_kv != c.n_head || c.head_dim * c.n_head != d {
+        return Err(LoadError::Config(toy_core::config::ConfigError::Invalid(
+            format!(
+                "gpt2 needs head_count_kv = head_count and head_dim × head_count = embedding_length \
+             (got {} kv heads of {} for {} heads, width {d})",
+                c.n_head_kv, c.head_dim, c.n_head
+            ),
+        )));
+    }
+    let total = c.n_layer + 2;
+    let vector = |name: &str, n: usize| -> Result<Param<Tensor<B, 1>>, LoadError> {
+        Ok(Param::from_tensor(dense_tensor(
+            file,
+            tensor(file, name, &[n])?,
+            device,
+        )?))
+    };
+    let layer_norm = |name: &str| -> Result<LayerNorm<B>, LoadError> {
+        Ok(LayerNorm {
+            weight: vector(&format!("{name}.weight"), d)?,
+            bias: vector(&format!("{name}.bias"), d)?,
+            eps: c.rms_eps as f64,
+        })
+    };
+    let lin = |name: &str, inp: usize, out: usize| -> Result<Linear<B>, LoadError> {
+        Ok(Linear {
+            weight: linear(file, &format!("{name}.weight"), inp, out, device)?,
+            bias: vector(&format!("{name}.bias"), out)?,
+        })
+    };
+    let embedding = |name: &str, rows: usize| -> Result<Embedding<B>, LoadError> {
+        Ok(Embedding {
+            weight: Param::from_tensor(dense_tensor(
+                file,
+                tensor(file, name, &[d, rows])?,
+                device,
+            )?),
+        })
+    };
+    let token_embd = embedding("token_embd.weight", c.vocab_size)?;
+    let pos_embd = embedding("position_embd.weight", c.context_length)?;
+    let output = match file.tensor("output.weight") {
+        Some(_) => linear(file, "output.weight", d, c.vocab_size, device)?,
+        None => linear(file, "token_embd.weight", d, c.vocab_size, device)?,
+    };
+    progress(1, total);
+    let mut blocks = Vec::with_capacity(c.n_layer);
+    for i in 0..c.n_layer {
+        let p = |t: &str| format!("blk.{i}.{t}");
+        blocks.push(Gpt2Block {
+            attn_norm: layer_norm(&p("attn_norm"))?,
+            qkv: lin(&p("attn_qkv"), d, 3 * d)?,
+            wo: lin(&p("attn_output"), d, d)?,
+            ffn_norm: layer_norm(&p("ffn_norm"))?,
+            up: lin(&p("ffn_up"), d, c.d_ff)?,
+            down: lin(&p("ffn_down"), c.d_ff, d)?,
+            n_head: c.n_head,
+        });
+        progress(i + 2, total);
+    }
+    let output_norm = layer_norm("output_norm")?;
+    progress(total, total);
+    Ok(Gpt2 {
+        token_embd,
+        pos_embd,
+        blocks,
+        output_norm,
+        output,
+        context_length: c.context_length,
+    })
+}

@@ -1,0 +1,116 @@
+//! Any model toy loads: the llama family ([`Transformer`]) or GPT-2 ([`Gpt2`]), behind one
+//! interface ([`CausalLm`]) for generation and evaluation.
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+use toy_core::config::{ModelConfig, NormKind};
+use toy_core::gguf::GgufFile;
+use toy_kernels::ToyBackend;
+
+use crate::gpt2::{Gpt2, load_gpt2};
+use crate::llama::{KvCache, Transformer};
+use crate::load::{LoadError, load};
+
+/// A causal language model with a KV cache.
+pub trait CausalLm<B: ToyBackend> {
+    /// Logits `[batch, t, vocab]` of `tokens[batch, t]` after the cached tokens; appends them.
+    fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3>;
+    /// Logits `[batch, vocab]` of the last new position only.
+    fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2>;
+    fn new_cache(&self) -> KvCache<B>;
+    /// Longest context (prompt + generated tokens) the model supports.
+    fn context_length(&self) -> usize;
+    fn device(&self) -> B::Device;
+}
+
+impl<B: ToyBackend> CausalLm<B> for Transformer<B> {
+    fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        Transformer::forward(self, tokens, cache)
+    }
+    fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
+        Transformer::forward_last(self, tokens, cache)
+    }
+    fn new_cache(&self) -> KvCache<B> {
+        Transformer::new_cache(self)
+    }
+    fn context_length(&self) -> usize {
+        self.context_length
+    }
+    fn device(&self) -> B::Device {
+        Transformer::device(self)
+    }
+}
+
+impl<B: ToyBackend> CausalLm<B> for Gpt2<B> {
+    fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        Gpt2::forward(self, tokens, cache)
+    }
+    fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
+        Gpt2::forward_last(self, tokens, cache)
+    }
+    fn new_cache(&self) -> KvCache<B> {
+        Gpt2::new_cache(self)
+    }
+    fn context_length(&self) -> usize {
+        self.context_length
+    }
+    fn device(&self) -> B::Device {
+        Gpt2::device(self)
+    }
+}
+
+/// A loaded model of any supported architecture.
+#[derive(Module, Debug)]
+pub enum Model<B: Backend> {
+    Llama(Transformer<B>),
+    Gpt2(Gpt2<B>),
+}
+
+impl<B: ToyBackend> CausalLm<B> for Model<B> {
+    fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        match self {
+            Model::Llama(m) => m.forward(tokens, cache),
+            Model::Gpt2(m) => m.forward(tokens, cache),
+        }
+    }
+    fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
+        match self {
+            Model::Llama(m) => m.forward_last(tokens, cache),
+            Model::Gpt2(m) => m.forward_last(tokens, cache),
+        }
+    }
+    fn new_cache(&self) -> KvCache<B> {
+        match self {
+            Model::Llama(m) => m.new_cache(),
+            Model::Gpt2(m) => m.new_cache(),
+        }
+    }
+    fn context_length(&self) -> usize {
+        match self {
+            Model::Llama(m) => m.context_length,
+            Model::Gpt2(m) => m.context_length,
+        }
+    }
+    fn device(&self) -> B::Device {
+        match self {
+            Model::Llama(m) => m.device(),
+            Model::Gpt2(m) => m.device(),
+        }
+    }
+}
+
+/// Load the model in `file`, whatever its architecture, onto `device`.
+pub fn load_model<B: ToyBackend>(
+    file: &GgufFile,
+    device: &B::Device,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(ModelConfig, Model<B>), LoadError> {
+    let config = ModelConfig::from_gguf(file)?;
+    if config.norm == NormKind::Layer {
+        let model = load_gpt2(file, &config, device, progress)?;
+        return Ok((config, Model::Gpt2(model)));
+    }
+    let (config, model) = load(file, device, &mut progress)?;
+    Ok((config, Model::Llama(model)))
+}
