@@ -15,7 +15,7 @@ use toy_core::sampling::{Sampler, SamplingParams, StopStrings};
 use toy_core::tokenizer::{StreamDecoder, Tokenizer};
 use toy_kernels::ToyBackend;
 use toy_models::generate::{GenerateOptions, generate};
-use toy_models::{Transformer, load};
+use toy_models::{Model, Transformer, load};
 
 use crate::backend::{BackendJob, BackendKind, dispatch};
 
@@ -64,11 +64,32 @@ pub struct InferArgs {
     pub json: bool,
 }
 
-/// Open a GGUF model and load it onto `device`, with a progress bar on stderr.
+/// Open a GGUF llama-family model and load it onto `device`, with a progress bar on stderr.
 pub fn load_model<B: ToyBackend>(
     path: &Path,
     device: &B::Device,
 ) -> Result<(GgufFile, ModelConfig, Transformer<B>)> {
+    with_progress(path, |file, progress| load::<B>(file, device, progress))
+}
+
+/// Open a GGUF model of any supported architecture (GPT-2 too) and load it onto `device`.
+pub fn load_any_model<B: ToyBackend>(
+    path: &Path,
+    device: &B::Device,
+) -> Result<(GgufFile, ModelConfig, Model<B>)> {
+    with_progress(path, |file, progress| {
+        toy_models::load_model::<B>(file, device, progress)
+    })
+}
+
+/// Open `path` and run `load` on it with a progress bar on stderr.
+fn with_progress<M>(
+    path: &Path,
+    load: impl FnOnce(
+        &GgufFile,
+        &mut dyn FnMut(usize, usize),
+    ) -> Result<(ModelConfig, M), toy_models::LoadError>,
+) -> Result<(GgufFile, ModelConfig, M)> {
     let file = GgufFile::open(path)?;
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")
@@ -79,7 +100,7 @@ pub fn load_model<B: ToyBackend>(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
     );
-    let (config, model) = load::<B>(&file, device, |done, total| {
+    let (config, model) = load(&file, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     })
@@ -95,7 +116,7 @@ impl BackendJob for InferJob {
 
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
         let args = self.0;
-        let (file, _config, model) = load_model::<B>(&args.model, &device)?;
+        let (file, _config, model) = load_any_model::<B>(&args.model, &device)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let prompt_text = if args.chat {
             let template = tokenizer.chat_template().context(

@@ -20,7 +20,9 @@ pub enum LoadError {
     Gguf(#[from] GgufError),
     #[error("tensor {0:?} is missing from the GGUF file")]
     MissingTensor(String),
-    #[error("{0} is not a llama-family architecture: load it with toy_models::load_model")]
+    #[error(
+        "{0} is not a llama-family architecture and this runs llama-family models only ({0} runs in `toy infer`; in Rust, load it with toy_models::load_model)"
+    )]
     NotLlama(String),
     #[error("tensor {name:?} has shape {found:?} (ggml order), expected {expected:?}")]
     ShapeMismatch {
