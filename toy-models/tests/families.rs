@@ -285,3 +285,83 @@ fn unsupported_architecture_names_the_supported_ones() {
         assert!(err.contains(arch), "{err}");
     }
 }
+
+/// A `llama` file that sets `llama.attention.sliding_window` (Mistral v0.1's 4096) gets the window
+/// on every layer. llama.cpp ignores that key for `llama` (its converter does not write it), so
+/// the check against llama.cpp is: a window longer than every fixture sequence changes nothing,
+/// and a window of 4 changes the logits far beyond the tolerance (the mask itself is checked
+/// against llama.cpp by gemma2's sliding-window layer).
+#[test]
+fn mistral_sliding_window_from_metadata() {
+    use toy_core::gguf::{GgufWriter, Value};
+    let device = Default::default();
+    let expected = expected("mistral");
+    let file = GgufFile::open(fixture("tiny-mistral.gguf")).unwrap();
+    for (window, applies) in [(64u32, false), (4, true)] {
+        let mut w = GgufWriter::from_file_with_tensors(&file).unwrap();
+        w.set("llama.attention.sliding_window", Value::U32(window))
+            .unwrap();
+        let mut bytes = Vec::new();
+        w.write_to(&mut bytes).unwrap();
+        let edited = GgufFile::from_bytes(bytes).unwrap();
+        let (_, model) = load_model::<Flex>(&edited, &device, |_, _| {}).unwrap();
+        let Model::Llama(llama) = &model else {
+            panic!("mistral is a llama")
+        };
+        let window = window as usize;
+        assert!(llama.blocks.iter().all(|b| b.attn.window == Some(window)));
+        let worst = logit_deviation(&model, &expected, &device);
+        if applies {
+            assert!(worst > 1e-2, "window {window}: logits within {worst:e}");
+        } else {
+            assert!(worst <= F32_TOL, "window {window}: logits off by {worst:e}");
+        }
+    }
+}
+
+/// `toy describe`'s family lines: each fixture's distinctive settings are reported.
+#[test]
+fn describe_reports_each_family() {
+    use toy_core::config::ModelConfig;
+    let cases: [(&str, &[&str], &str); 4] = [
+        (
+            "gemma2",
+            &[
+                "embeddings × √128",
+                "RMSNorm before and after each sublayer",
+                "queries × 0.125",
+                "attention logit soft-cap 4",
+                "final logit soft-cap 8",
+                "sliding window 4 on 1 of 2 layers",
+            ],
+            "GELU-tanh gated",
+        ),
+        (
+            "olmoe",
+            &["Q/K RMSNorm over the whole projection"],
+            "top-3 of 8 SwiGLU experts of 64, softmax router, weights not renormalized",
+        ),
+        (
+            "gpt2",
+            &["learned position embeddings", "LayerNorm with bias"],
+            "GELU-tanh, biases",
+        ),
+        ("qwen3", &["per-head Q/K RMSNorm"], "SwiGLU"),
+    ];
+    for (name, distinctive, ffn) in cases {
+        let file = GgufFile::open(fixture(&format!("tiny-{name}.gguf"))).unwrap();
+        let config = ModelConfig::from_gguf(&file).unwrap();
+        let got = config.distinctive();
+        for want in distinctive {
+            assert!(
+                got.iter().any(|g| g.contains(want)),
+                "{name}: {want:?} not in {got:?}"
+            );
+        }
+        assert!(
+            config.describe_ffn().contains(ffn),
+            "{name}: {}",
+            config.describe_ffn()
+        );
+    }
+}
