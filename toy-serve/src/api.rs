@@ -282,3 +282,70 @@ pub struct TokenizeRequest {
 pub struct DetokenizeRequest {
     pub tokens: Vec<u32>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampling(json: &str) -> Sampling {
+        serde_json::from_str(json).expect("parses")
+    }
+
+    #[test]
+    fn openai_defaults_and_ranges() {
+        let c = sampling("{}").check(100).unwrap();
+        assert_eq!(c.params.temperature, 1.0);
+        assert_eq!(c.params.top_p, 1.0);
+        assert_eq!(c.params.top_k, 0);
+        assert_eq!(c.params.min_p, 0.0);
+        assert_eq!(c.params.repeat_last_n, -1);
+        assert_eq!(c.n, 1);
+        assert!(!c.stream);
+        let c = sampling(r#"{"temperature":0,"seed":5,"stop":"\n","n":2,"stream":true,"stream_options":{"include_usage":true},"logit_bias":{"7":-100}}"#)
+            .check(100)
+            .unwrap();
+        assert!(c.params.is_greedy());
+        assert_eq!(c.params.seed, 5);
+        assert_eq!(c.stop, vec!["\n".to_string()]);
+        assert_eq!((c.n, c.stream, c.include_usage), (2, true, true));
+        assert_eq!(c.logit_bias, vec![(7, -100.0)]);
+        for (bad, param) in [
+            (r#"{"temperature":2.5}"#, "temperature"),
+            (r#"{"top_p":1.5}"#, "top_p"),
+            (r#"{"n":0}"#, "n"),
+            (r#"{"presence_penalty":-3}"#, "presence_penalty"),
+            (r#"{"stop":["a","b","c","d","e"]}"#, "stop"),
+            (r#"{"logit_bias":{"100":1}}"#, "logit_bias"),
+            (r#"{"logit_bias":{"x":1}}"#, "logit_bias"),
+            (r#"{"logit_bias":{"3":101}}"#, "logit_bias"),
+        ] {
+            let e = sampling(bad).check(100).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}: {}", e.message);
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        }
+    }
+
+    #[test]
+    fn prompts_and_contents_in_every_shape() {
+        let p: Prompt = serde_json::from_str(r#""hi""#).unwrap();
+        assert!(matches!(p.items()[..], [PromptItem::Text(_)]));
+        let p: Prompt = serde_json::from_str(r#"[1, 2, 3]"#).unwrap();
+        assert!(matches!(&p.items()[..], [PromptItem::Ids(ids)] if ids == &[1, 2, 3]));
+        let p: Prompt = serde_json::from_str(r#"[[1], [2, 3]]"#).unwrap();
+        assert_eq!(p.items().len(), 2);
+        let p: Prompt = serde_json::from_str(r#"["a", "b"]"#).unwrap();
+        assert_eq!(p.items().len(), 2);
+        let m: Message = serde_json::from_str(
+            r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(m.text(0).unwrap(), "ab");
+        let m: Message = serde_json::from_str(
+            r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}"#,
+        )
+        .unwrap();
+        assert!(m.text(0).unwrap_err().message.contains("image_url"));
+        let m: Message = serde_json::from_str(r#"{"role":"assistant","content":null}"#).unwrap();
+        assert_eq!(m.text(0).unwrap(), "");
+    }
+}

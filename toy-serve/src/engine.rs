@@ -457,6 +457,11 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         metrics: &crate::metrics::Metrics,
     ) -> Result<bool, String> {
         let prompt_len = self.params.prompt.len();
+        if self.params.max_tokens == 0 && !self.params.prompt_logprobs {
+            // Nothing to generate and nothing to score.
+            self.finish(FinishReason::Length);
+            return Ok(true);
+        }
         if self.prefilled < prompt_len {
             return self.prefill(model, metrics);
         }

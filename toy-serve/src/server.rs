@@ -305,6 +305,16 @@ fn submit(
     s: &Arc<Shared>,
     jobs: Vec<GenParams>,
 ) -> Result<(mpsc::UnboundedReceiver<(usize, GenEvent)>, Admission), ApiError> {
+    if jobs.len() > s.capacity {
+        return Err(ApiError::invalid(
+            Some("n"),
+            format!(
+                "this request needs {} sequences but the server takes at most {} at once (--max-concurrency + --max-queue)",
+                jobs.len(),
+                s.capacity
+            ),
+        ));
+    }
     let admission = s
         .try_admit(jobs.len())
         .ok_or_else(|| ApiError::overloaded(s.capacity))?;
@@ -1231,16 +1241,14 @@ impl CompletionStream {
 
     async fn fill(&mut self) {
         // Echoed prompts come first (without logprobs, those come with PromptLogprobs).
-        if let Some(echo) = self.echo.take()
-            && !self.logprobs
+        // (With logprobs the prompt is sent when its logprobs arrive.)
+        if !self.logprobs
+            && let Some(echo) = self.echo.take()
         {
             for (i, text) in echo.iter().enumerate() {
                 let c = self.chunk(i, text, Value::Null, None);
                 self.out.push_back(c);
             }
-        } else if let Some(echo) = self.echo.take() {
-            // Put it back: with logprobs the prompt is sent when its logprobs arrive.
-            self.echo = Some(echo);
         }
         while self.out.is_empty() && !self.finished {
             let Some((i, event)) = self.rx.recv().await else {
@@ -1369,17 +1377,27 @@ mod tests {
     #[tokio::test]
     async fn loading_answers_503_with_retry_after() {
         let (app, _) = app(None);
-        let (status, headers, body) =
-            call(&app, HttpRequest::get("/health").body(Body::empty()).unwrap()).await;
+        let (status, headers, body) = call(
+            &app,
+            HttpRequest::get("/health").body(Body::empty()).unwrap(),
+        )
+        .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(headers.contains_key(header::RETRY_AFTER));
         assert_eq!(body["status"], "loading model");
-        let (status, headers, body) =
-            call(&app, HttpRequest::get("/v1/models").body(Body::empty()).unwrap()).await;
+        let (status, headers, body) = call(
+            &app,
+            HttpRequest::get("/v1/models").body(Body::empty()).unwrap(),
+        )
+        .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(headers.contains_key(header::RETRY_AFTER));
         assert_eq!(body["error"]["code"], "service_unavailable");
-        let req = post("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}]}"#, None);
+        let req = post(
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+            None,
+        );
         assert_eq!(call(&app, req).await.0, StatusCode::SERVICE_UNAVAILABLE);
     }
 
@@ -1393,30 +1411,43 @@ mod tests {
         let (status, _, _) = call(&app, post("/v1/embeddings", "{}", Some("wrong"))).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED);
         // The right key gets through to the handler (here: 400 for a body without messages).
-        let (status, _, body) = call(&app, post("/v1/chat/completions", "{}", Some("sesame"))).await;
+        let (status, _, body) =
+            call(&app, post("/v1/chat/completions", "{}", Some("sesame"))).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
         // The page and the health check stay open.
         let (status, _, _) = call(&app, HttpRequest::get("/").body(Body::empty()).unwrap()).await;
         assert_eq!(status, StatusCode::OK);
-        let (status, _, _) =
-            call(&app, HttpRequest::get("/health").body(Body::empty()).unwrap()).await;
+        let (status, _, _) = call(
+            &app,
+            HttpRequest::get("/health").body(Body::empty()).unwrap(),
+        )
+        .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     }
 
     #[tokio::test]
     async fn bad_bodies_get_openai_errors() {
         let (app, _) = app(None);
-        let (status, _, body) = call(&app, post("/v1/chat/completions", "{\"messages\": [", None)).await;
+        let (status, _, body) =
+            call(&app, post("/v1/chat/completions", "{\"messages\": [", None)).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert_eq!(body["error"]["type"], "invalid_request_error");
         assert_eq!(body["error"]["code"], "invalid_json");
         let (status, _, body) = call(&app, post("/v1/completions", "", None)).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert!(body["error"]["message"].as_str().unwrap().contains("empty"));
-        let (status, _, body) =
-            call(&app, post("/v1/chat/completions", r#"{"messages": 3}"#, None)).await;
+        let (status, _, body) = call(
+            &app,
+            post("/v1/chat/completions", r#"{"messages": 3}"#, None),
+        )
+        .await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        assert!(body["error"]["message"].as_str().unwrap().contains("invalid request"));
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("invalid request")
+        );
         let big = format!("{{\"prompt\": \"{}\"}}", "x".repeat(4096));
         let (status, _, body) = call(&app, post("/v1/completions", big, None)).await;
         assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
@@ -1426,8 +1457,11 @@ mod tests {
     #[tokio::test]
     async fn unknown_routes_and_methods() {
         let (app, _) = app(None);
-        let (status, _, body) =
-            call(&app, HttpRequest::get("/v1/nothing").body(Body::empty()).unwrap()).await;
+        let (status, _, body) = call(
+            &app,
+            HttpRequest::get("/v1/nothing").body(Body::empty()).unwrap(),
+        )
+        .await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         assert_eq!(body["error"]["type"], "not_found_error");
         let (status, _, body) = call(

@@ -62,7 +62,7 @@ def request(method, path, body=None, hdrs=None, timeout=300):
         data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
         c.request(method, path, body=data, headers=hdrs if hdrs is not None else headers())
         r = c.getresponse()
-        return r.status, dict(r.getheaders()), r.read()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     finally:
         c.close()
 

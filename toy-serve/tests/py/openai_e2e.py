@@ -119,6 +119,12 @@ check(r2.choices[0].text == completion_text, "token-id prompt gives the same tex
 s = client.completions.create(model=model, prompt=text_prompt, max_tokens=8, temperature=0, stream=True)
 check("".join(ch.choices[0].text for ch in s if ch.choices) == completion_text, "streamed completion text")
 
+# streamed with echo (with and without logprobs): the prompt comes first
+for lp_arg in ({}, {"logprobs": 1}):
+    s = client.completions.create(model=model, prompt=text_prompt, max_tokens=8, temperature=0, stream=True, echo=True, **lp_arg)
+    got = "".join(ch.choices[0].text for ch in s if ch.choices)
+    check(got == text_prompt + completion_text, f"streamed echo {lp_arg}: {got!r}")
+
 # echo + logprobs + max_tokens 0: score the prompt (first token has no logprob)
 r = client.completions.create(model=model, prompt=text_prompt, max_tokens=0, echo=True, logprobs=1)
 lp = r.choices[0].logprobs
