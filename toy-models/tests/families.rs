@@ -365,3 +365,20 @@ fn describe_reports_each_family() {
         );
     }
 }
+
+/// The same checks on the `ndarray` backend (the reference kernels), for the F32 fixtures: the
+/// test bodies are backend-generic, and the new families' plain-burn ops run on a backend
+/// without f16.
+#[test]
+fn f32_families_on_ndarray() {
+    use burn::backend::NdArray;
+    let device = Default::default();
+    for (name, arch, tol) in [
+        ("gemma2", "gemma2", GELU_TOL),
+        ("olmoe", "olmoe", F32_TOL),
+        ("gpt2", "gpt2", GELU_TOL),
+        ("mistral", "llama", F32_TOL),
+    ] {
+        check::<NdArray>(name, arch, tol, &device);
+    }
+}
