@@ -94,9 +94,11 @@ impl Drop for Server {
 
 /// The venv's Python with `openai` and `websockets`, or a failure saying how to get it.
 fn venv_python() -> PathBuf {
-    let venv = std::env::var_os("TOY_VENV").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-venv")
-    });
+    let venv = std::env::var_os("TOY_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-venv")
+        });
     let python = venv.join("bin/python");
     let ok = Command::new(&python)
         .args(["-c", "import openai, websockets"])
@@ -146,16 +148,28 @@ fn infer_chat(prompt: &str, n: usize) -> String {
         "0",
         "--json",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("infer json");
     v["text"].as_str().expect("text").to_string()
 }
 
 /// One HTTP/1.1 request with `Connection: close`; (status, head, body).
-fn http(addr: &str, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, String, String) {
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+) -> (u16, String, String) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
@@ -192,10 +206,18 @@ fn open_stream(addr: &str, max_tokens: usize) -> TcpStream {
     // The role chunk, then at least one content chunk.
     while String::from_utf8_lossy(&got).matches("data: ").count() < 2 {
         let n = s.read(&mut buf).expect("read stream");
-        assert!(n > 0, "stream closed early: {}", String::from_utf8_lossy(&got));
+        assert!(
+            n > 0,
+            "stream closed early: {}",
+            String::from_utf8_lossy(&got)
+        );
         got.extend_from_slice(&buf[..n]);
     }
-    assert!(got.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
     s
 }
 
@@ -225,10 +247,7 @@ fn openai_client_end_to_end_and_greedy_chat_equals_infer() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let runs = tempdir("events");
     let mut server = Server::start(&["--events", "--runs-dir", runs.to_str().unwrap()]);
-    let out = run_python(
-        "openai_e2e.py",
-        &[&server.url, KEY, PROMPT, &N.to_string()],
-    );
+    let out = run_python("openai_e2e.py", &[&server.url, KEY, PROMPT, &N.to_string()]);
     let expected = infer_chat(PROMPT, N);
     assert_eq!(
         out["greedy_chat"].as_str().unwrap(),
@@ -265,9 +284,12 @@ fn openai_client_end_to_end_and_greedy_chat_equals_infer() {
 #[test]
 fn chat_page_streams_a_reply_in_headless_chromium() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let chromium = ["chromium", "chromium-browser"]
-        .iter()
-        .any(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()));
+    let chromium = ["chromium", "chromium-browser"].iter().any(|c| {
+        Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
     assert!(
         chromium,
         "chromium is missing: run scripts/serve-test-deps.sh (apt-get install chromium)"
@@ -333,15 +355,23 @@ fn overload_disconnects_and_graceful_shutdown() {
     let body = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2}"#;
     let (status, head, err) = http(&addr, "POST", "/v1/chat/completions", Some(KEY), body);
     assert_eq!(status, 429, "{head}\n{err}");
-    assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("retry-after: 1"),
+        "{head}"
+    );
     assert!(err.contains("\"rate_limit_error\""), "{err}");
     assert_eq!(metric(&addr, "toy_sequences_active"), 1.0);
 
     // The client hangs up: its slot is free at once (well before its 400 tokens).
     drop(stream);
     let t = Instant::now();
-    while metric(&addr, "toy_requests_in_flight") > 0.0 || metric(&addr, "toy_sequences_active") > 0.0 {
-        assert!(t.elapsed() < Duration::from_secs(5), "slot not freed after a disconnect");
+    while metric(&addr, "toy_requests_in_flight") > 0.0
+        || metric(&addr, "toy_sequences_active") > 0.0
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "slot not freed after a disconnect"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(metric(&addr, "toy_sequences_cancelled_total"), 1.0);
@@ -356,11 +386,19 @@ fn overload_disconnects_and_graceful_shutdown() {
         .unwrap();
     assert!(status.success());
     let mut rest = String::new();
-    stream.read_to_string(&mut rest).expect("the stream ends cleanly");
-    assert!(rest.contains("data: [DONE]"), "in-flight stream cut: {rest}");
+    stream
+        .read_to_string(&mut rest)
+        .expect("the stream ends cleanly");
+    assert!(
+        rest.contains("data: [DONE]"),
+        "in-flight stream cut: {rest}"
+    );
     let status = server.terminate_wait(Duration::from_secs(30));
     assert!(status.success(), "exit status {status}");
-    assert!(TcpStream::connect(&addr).is_err(), "still listening after shutdown");
+    assert!(
+        TcpStream::connect(&addr).is_err(),
+        "still listening after shutdown"
+    );
 }
 
 impl Server {
@@ -379,16 +417,33 @@ impl Server {
 #[test]
 fn serve_refuses_bad_options_with_a_message() {
     let model = smollm2("Q8_0");
-    let out = toy(&["serve", model.to_str().unwrap(), "--port", "0", "--ctx", "999999"]);
+    let out = toy(&[
+        "serve",
+        model.to_str().unwrap(),
+        "--port",
+        "0",
+        "--ctx",
+        "999999",
+    ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--ctx 999999") && err.contains("8192"), "{err}");
+    assert!(
+        err.contains("--ctx 999999") && err.contains("8192"),
+        "{err}"
+    );
     let out = toy(&["serve", "/nonexistent.gguf", "--port", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.gguf"));
     let help = toy(&["serve", "--help"]);
     let help = String::from_utf8_lossy(&help.stdout);
-    for flag in ["--host", "--port", "--api-key", "--max-concurrency", "--ctx", "--events"] {
+    for flag in [
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-concurrency",
+        "--ctx",
+        "--events",
+    ] {
         assert!(help.contains(flag), "--help lacks {flag}");
     }
 }

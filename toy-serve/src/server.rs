@@ -728,7 +728,7 @@ async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Resp
         let prompt = encode(&info, prompt_text, true, true).await?;
         let max_new = fit_context(&info, prompt.len(), max_tokens, "messages")?;
         let jobs = gen_jobs(
-            &[prompt.clone()],
+            std::slice::from_ref(&prompt),
             &checked,
             max_new,
             want_logprobs.then_some(top_logprobs as usize),
