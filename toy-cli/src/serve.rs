@@ -10,18 +10,19 @@ use toy_serve::ServeOptions;
 
 use crate::backend::{BackendJob, BackendKind, dispatch};
 
-/// Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
-/// /v1/embeddings, /v1/models, plus /health, /metrics, /tokenize, /detokenize and a chat page
-/// at /. Point any OpenAI client at http://HOST:PORT/v1.
-///
-/// Examples:
-///   toy serve model.gguf                         (http://127.0.0.1:8080/, chat page at /)
-///   toy serve model.gguf --port 0                (a free port; the URL is printed)
-///   toy serve model.gguf --host 0.0.0.0 --api-key secret --max-concurrency 8
-///   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \
-///     -d '{"messages":[{"role":"user","content":"Hi"}],"stream":true}'
+/// `toy serve` options (the command's description is on `Command::Serve` in main.rs).
 #[derive(Args, Debug, Clone)]
-#[command(verbatim_doc_comment)]
+#[command(after_help = "\
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models, /health,
+/metrics; POST /tokenize, /detokenize; a chat page at /. Point any OpenAI client at
+http://HOST:PORT/v1 (docs/server.md).
+
+Examples:
+  toy serve model.gguf                       http://127.0.0.1:8080/ (chat page at /)
+  toy serve model.gguf --port 0              a free port; the URL is printed when ready
+  toy serve model.gguf --host 0.0.0.0 --api-key secret --max-concurrency 8
+  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"stream\":true}'")]
 pub struct ServeArgs {
     /// The model, a GGUF file.
     pub model: PathBuf,
