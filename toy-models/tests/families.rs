@@ -164,6 +164,13 @@ fn olmoe_matches_llama_cpp() {
     cpu("olmoe", "olmoe", F32_TOL);
 }
 
+/// The olmoe weights in Q8_0, 3-D expert tensors included: experts stay packed per expert and
+/// go through the backend's quantized matmul.
+#[test]
+fn olmoe_q8_0_matches_llama_cpp() {
+    cpu("olmoe-q8_0", "olmoe", QUANTIZED_TOL);
+}
+
 /// GPT-2: learned positions, LayerNorm, fused QKV, biases, GELU, tied output.
 #[test]
 fn gpt2_matches_llama_cpp() {
@@ -433,6 +440,11 @@ mod wgpu {
     #[test]
     fn olmoe_on_wgpu() {
         run("olmoe", "olmoe", F32_TOL);
+    }
+
+    #[test]
+    fn olmoe_q8_0_on_wgpu() {
+        run("olmoe-q8_0", "olmoe", WGPU_QUANTIZED_TOL);
     }
 
     #[test]
