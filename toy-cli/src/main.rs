@@ -20,11 +20,13 @@ use clap::{Parser, Subcommand};
 
 use crate::backend::BackendKind;
 
-/// Run transformer language models from GGUF files — token-exact with llama.cpp — on the CPU.
+/// Run transformer language models from GGUF files — token-exact with llama.cpp — on the CPU or
+/// any GPU (Vulkan/Metal/DX12 through wgpu, NVIDIA through CUDA).
 ///
 /// Examples:
 ///   toy infer model.gguf -p "The capital of France is" -n 32
 ///   toy infer model.gguf --chat -p "Write a haiku about Rust"
+///   toy --backend wgpu infer model.gguf -p "Once upon a time"
 ///   toy tokenize model.gguf "Hello world"
 ///   toy describe model.gguf
 ///   toy convert model.Q4_1.gguf model.Q8_0.gguf --to q8_0
@@ -34,8 +36,9 @@ use crate::backend::BackendKind;
 #[derive(Parser, Debug)]
 #[command(name = "toy", version, about, long_about = None, verbatim_doc_comment)]
 struct Cli {
-    /// Compute backend: `cpu` (burn Flex, native kernels) or `ndarray` (burn NdArray,
-    /// reference kernels).
+    /// Compute backend: `cpu` (burn Flex, native kernels), `ndarray` (burn NdArray, reference
+    /// kernels), `wgpu` (any GPU through Vulkan/Metal/DX12; lavapipe without one), `metal`
+    /// (wgpu on Metal, macOS), `cuda` (NVIDIA). `TOY_WGPU_DEVICE` picks the wgpu adapter.
     #[arg(
         long,
         global = true,
