@@ -17,7 +17,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive, activation};
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
@@ -75,13 +75,13 @@ fn qmatmul<B: ToyBackend, C: CheckpointStrategy>(
     // The weight is frozen: its scales enter as constants, never as graph nodes.
     let scales = scales.primitive;
     let mins = mins.map(|m| m.primitive);
-    let forward = |x, words: IntTensor<B>, scales: FloatTensor<B>, mins: Option<FloatTensor<B>>| {
-        match format {
+    let forward =
+        |x, words: IntTensor<B>, scales: FloatTensor<B>, mins: Option<FloatTensor<B>>| match format
+        {
             QFormat::Q8_0 => B::q8_0_matmul(x, words, scales),
             QFormat::Q4_0 => B::q4_0_matmul(x, words, scales),
             QFormat::Q4_1 => B::q4_1_matmul(x, words, scales, mins.expect("Q4_1 has mins")),
-        }
-    };
+        };
     match QMatmulBackward(format)
         .prepare::<C>([x.node.clone()])
         .compute_bound()
@@ -115,7 +115,12 @@ impl<B: ToyBackend> Backward<B, 1> for RopeBackward {
 struct AttentionBackward;
 
 impl<B: ToyBackend> Backward<B, 3> for AttentionBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, AttentionOptions);
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        AttentionOptions,
+    );
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_q, node_k, node_v] = ops.parents;
@@ -144,26 +149,12 @@ fn attention_backward<B: ToyBackend>(
     let k: Tensor<B, 4> = float(k);
     let v: Tensor<B, 4> = float(v);
     let [b, h, tq, d] = q.dims();
-    let [_, h_kv, tk, _] = k.dims();
+    let h_kv = k.dims()[1];
     let group = h / h_kv;
     let q = q.reshape([b, h_kv, group * tq, d]);
     let d_out = float::<B, 4>(grad).reshape([b, h_kv, group * tq, d]);
 
-    let raw = q.clone().matmul(k.clone().transpose()).mul_scalar(options.scale);
-    let (scores, capped) = match options.softcap {
-        Some(cap) => {
-            let t = raw.div_scalar(cap).tanh();
-            (t.clone().mul_scalar(cap), Some(t))
-        }
-        None => (raw, None),
-    };
-    let mask = reference::causal_mask(tq, tk, options);
-    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [tq, tk]), &scores.device())
-        .unsqueeze_dim::<3>(0)
-        .expand([group, tq, tk])
-        .reshape([1, 1, group * tq, tk])
-        .expand([b, h_kv, group * tq, tk]);
-    let probs = activation::softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+    let (probs, capped) = reference::attention_probs(q.clone(), k.clone(), tq, options);
 
     let d_v = probs.clone().transpose().matmul(d_out.clone());
     let d_probs = d_out.matmul(v.transpose());

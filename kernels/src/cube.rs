@@ -14,8 +14,8 @@
 //! block results are summed differs from llama.cpp's CPU code, so logits agree to float rounding
 //! and greedy tokens agree wherever llama.cpp's own decision is not a near-tie.
 
-use burn::tensor::{DType, Shape, TensorMetadata};
 use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous_aligned;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
@@ -411,7 +411,9 @@ fn qmatmul<R: CubeRuntime>(
     let words = into_contiguous_aligned(words);
     let scales = into_contiguous_aligned(scales);
     // Symmetric formats never read the mins: pass the scales in their place.
-    let mins = mins.map(into_contiguous_aligned).unwrap_or_else(|| scales.clone());
+    let mins = mins
+        .map(into_contiguous_aligned)
+        .unwrap_or_else(|| scales.clone());
     let [m, _k] = x.shape().dims::<2>();
     let n = words.shape().dims::<2>()[0];
     let act = quantize_rows(&x);
@@ -847,8 +849,7 @@ fn attention<R: CubeRuntime>(
     options: AttentionOptions,
 ) -> CubeTensor<R> {
     let [b, h, tq, d] = q.shape().dims::<4>();
-    let out =
-        empty_device_contiguous_dtype(q.client.clone(), q.device.clone(), q.shape(), q.dtype);
+    let out = empty_device_contiguous_dtype(q.client.clone(), q.device.clone(), q.shape(), q.dtype);
     let (scale, softcap) = (options.scale, options.softcap.unwrap_or(0.0));
     let q_offset = options.q_offset as u32;
     let window = options.window.map_or(0, |w| w as u32);
@@ -859,7 +860,10 @@ fn attention<R: CubeRuntime>(
     let max_shared = q.client.properties().hardware.max_shared_memory_size;
     if tq >= 2 * rows as usize && shared_bytes <= max_shared {
         let tiles = tq.div_ceil(rows as usize);
-        assert!(tiles <= MAX_CUBES && h <= MAX_CUBES && b <= MAX_CUBES, "attention grid too large");
+        assert!(
+            tiles <= MAX_CUBES && h <= MAX_CUBES && b <= MAX_CUBES,
+            "attention grid too large"
+        );
         attention_tiled_kernel::launch::<R>(
             &q.client,
             CubeCount::Static(tiles as u32, h as u32, b as u32),
@@ -878,7 +882,10 @@ fn attention<R: CubeRuntime>(
             q.dtype.into(),
         );
     } else {
-        assert!(tq <= MAX_CUBES && h <= MAX_CUBES && b <= MAX_CUBES, "attention grid too large");
+        assert!(
+            tq <= MAX_CUBES && h <= MAX_CUBES && b <= MAX_CUBES,
+            "attention grid too large"
+        );
         attention_kernel::launch::<R>(
             &q.client,
             CubeCount::Static(tq as u32, h as u32, b as u32),

@@ -18,10 +18,10 @@ pub mod flex;
 pub mod quant;
 pub mod reference;
 
+use burn::backend::NdArray;
 use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
-use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 

@@ -196,6 +196,37 @@ pub fn causal_mask(tq: usize, tk: usize, options: &AttentionOptions) -> Vec<bool
     mask
 }
 
+/// Softmax attention probabilities of query rows stacked per K/V head: `q_rows[b, h_kv, group·tq,
+/// d]` (the `group` query heads sharing a K/V head, `tq` rows each) against `k[b, h_kv, tk, d]`,
+/// giving `[b, h_kv, group·tq, tk]`; with a soft-cap, also `tanh(scores / cap)` (what the
+/// backward pass differentiates through).
+pub fn attention_probs<B: Backend>(
+    q_rows: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    tq: usize,
+    options: &AttentionOptions,
+) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
+    let [b, h_kv, rows, _] = q_rows.dims();
+    let tk = k.dims()[2];
+    let group = rows / tq;
+    let raw = q_rows.matmul(k.transpose()).mul_scalar(options.scale);
+    let (scores, capped) = match options.softcap {
+        Some(cap) => {
+            let t = raw.div_scalar(cap).tanh();
+            (t.clone().mul_scalar(cap), Some(t))
+        }
+        None => (raw, None),
+    };
+    let mask = causal_mask(tq, tk, options);
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [tq, tk]), &scores.device())
+        .unsqueeze_dim::<3>(0)
+        .expand([group, tq, tk])
+        .reshape([1, 1, group * tq, tk])
+        .expand([b, h_kv, group * tq, tk]);
+    let probs = activation::softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+    (probs, capped)
+}
+
 pub fn attention<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
@@ -206,22 +237,12 @@ pub fn attention<B: Backend>(
     let k: Tensor<B, 4> = float(k);
     let v: Tensor<B, 4> = float(v);
     let [b, h, tq, d] = q.dims();
-    let [_, h_kv, tk, _] = k.dims();
+    let h_kv = k.dims()[1];
     let group = h / h_kv;
     // Grouped-query attention without copying K/V: the `group` query heads that share a K/V
     // head become `group * tq` rows against that head.
     let q = q.reshape([b, h_kv, group * tq, d]);
-    let mut scores = q.matmul(k.transpose()).mul_scalar(options.scale);
-    if let Some(cap) = options.softcap {
-        scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
-    }
-    let mask = causal_mask(tq, tk, &options);
-    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [tq, tk]), &scores.device())
-        .unsqueeze_dim::<3>(0)
-        .expand([group, tq, tk])
-        .reshape([1, 1, group * tq, tk])
-        .expand([b, h_kv, group * tq, tk]);
-    let probs = activation::softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+    let (probs, _) = attention_probs(q, k, tq, &options);
     probs
         .matmul(v)
         .reshape([b, h, tq, d])

@@ -397,12 +397,21 @@ fn attention_matches_f64() {
 fn check_grads<B: ToyBackend>() {
     type Ref = Autodiff<NdArray>;
     let (d, dr) = (Default::default(), Default::default());
-    let grad_of = |t: &Tensor<Autodiff<B>, 4>, g: &<Autodiff<B> as burn::tensor::backend::AutodiffBackend>::Gradients| {
-        host(t.grad(g).expect("tracked input has a gradient"))
-    };
+    let grad_of =
+        |t: &Tensor<Autodiff<B>, 4>,
+         g: &<Autodiff<B> as burn::tensor::backend::AutodiffBackend>::Gradients| {
+            host(t.grad(g).expect("tracked input has a gradient"))
+        };
     let close = |what: &str, got: &[f32], want: &[f32], tol: f32| {
-        let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-        assert!(worst <= tol, "{what}: gradient differs by {worst} (> {tol})");
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            worst <= tol,
+            "{what}: gradient differs by {worst} (> {tol})"
+        );
     };
 
     // Quantized matmul, dX only.
@@ -413,15 +422,24 @@ fn check_grads<B: ToyBackend>() {
     let xt = float::<Autodiff<B>, 2>(x.clone(), [m, k], &d).require_grad();
     let (words, scales) = packed::<Autodiff<B>>(&p, &d);
     let y = Tensor::<Autodiff<B>, 2>::from_primitive(TensorPrimitive::Float(
-        Autodiff::<B>::q8_0_matmul(xt.clone().into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor()),
+        Autodiff::<B>::q8_0_matmul(
+            xt.clone().into_primitive().tensor(),
+            words.into_primitive(),
+            scales.into_primitive().tensor(),
+        ),
     ));
-    let g = (y * float::<Autodiff<B>, 2>(r.clone(), [m, n], &d)).sum().backward();
+    let g = (y * float::<Autodiff<B>, 2>(r.clone(), [m, n], &d))
+        .sum()
+        .backward();
     let got = host(xt.grad(&g).unwrap());
     let xr = float::<Ref, 2>(x, [m, k], &dr).require_grad();
     let (words, scales) = packed::<Ref>(&p, &dr);
-    let y = Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::q8_0_matmul::<Ref>(
-        xr.clone().into_primitive().tensor(), words.into_primitive(), scales.into_primitive().tensor(),
-    )));
+    let y =
+        Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::q8_0_matmul::<Ref>(
+            xr.clone().into_primitive().tensor(),
+            words.into_primitive(),
+            scales.into_primitive().tensor(),
+        )));
     let g = (y * float::<Ref, 2>(r, [m, n], &dr)).sum().backward();
     close("q8_0_matmul dX", &got, &host(xr.grad(&g).unwrap()), 1e-5);
 
@@ -435,17 +453,27 @@ fn check_grads<B: ToyBackend>() {
     let xt = float::<Autodiff<B>, 4>(x.clone(), shape, &d).require_grad();
     let y = Tensor::<Autodiff<B>, 4>::from_primitive(TensorPrimitive::Float(Autodiff::<B>::rope(
         xt.clone().into_primitive().tensor(),
-        float::<Autodiff<B>, 2>(cos.clone(), [t, half], &d).into_primitive().tensor(),
-        float::<Autodiff<B>, 2>(sin.clone(), [t, half], &d).into_primitive().tensor(),
+        float::<Autodiff<B>, 2>(cos.clone(), [t, half], &d)
+            .into_primitive()
+            .tensor(),
+        float::<Autodiff<B>, 2>(sin.clone(), [t, half], &d)
+            .into_primitive()
+            .tensor(),
         RopeLayout::Neox,
     )));
-    let g = (y * float::<Autodiff<B>, 4>(r.clone(), shape, &d)).sum().backward();
+    let g = (y * float::<Autodiff<B>, 4>(r.clone(), shape, &d))
+        .sum()
+        .backward();
     let got = grad_of(&xt, &g);
     let xr = float::<Ref, 4>(x, shape, &dr).require_grad();
     let y = Tensor::<Ref, 4>::from_primitive(TensorPrimitive::Float(reference::rope::<Ref>(
         xr.clone().into_primitive().tensor(),
-        float::<Ref, 2>(cos, [t, half], &dr).into_primitive().tensor(),
-        float::<Ref, 2>(sin, [t, half], &dr).into_primitive().tensor(),
+        float::<Ref, 2>(cos, [t, half], &dr)
+            .into_primitive()
+            .tensor(),
+        float::<Ref, 2>(sin, [t, half], &dr)
+            .into_primitive()
+            .tensor(),
         RopeLayout::Neox,
     )));
     let g = (y * float::<Ref, 4>(r, shape, &dr)).sum().backward();
@@ -453,22 +481,35 @@ fn check_grads<B: ToyBackend>() {
 
     // Attention: GQA 3, 4 new rows over a cache of 9, window 6, soft-cap.
     let (b, h, hkv, tq, tk, dim) = (1, 6, 2, 4, 9, 16);
-    let o = AttentionOptions { scale: 0.25, q_offset: tk - tq, window: Some(6), softcap: Some(2.0) };
+    let o = AttentionOptions {
+        scale: 0.25,
+        q_offset: tk - tq,
+        window: Some(6),
+        softcap: Some(2.0),
+    };
     let (qs, ks) = ([b, h, tq, dim], [b, hkv, tk, dim]);
-    let (q, k, v) = (randn(b * h * tq * dim, 8), randn(b * hkv * tk * dim, 9), randn(b * hkv * tk * dim, 10));
+    let (q, k, v) = (
+        randn(b * h * tq * dim, 8),
+        randn(b * hkv * tk * dim, 9),
+        randn(b * hkv * tk * dim, 10),
+    );
     let r = randn(b * h * tq * dim, 11);
     let (qt, kt, vt) = (
         float::<Autodiff<B>, 4>(q.clone(), qs, &d).require_grad(),
         float::<Autodiff<B>, 4>(k.clone(), ks, &d).require_grad(),
         float::<Autodiff<B>, 4>(v.clone(), ks, &d).require_grad(),
     );
-    let y = Tensor::<Autodiff<B>, 4>::from_primitive(TensorPrimitive::Float(<Autodiff<B> as ToyBackend>::attention(
-        qt.clone().into_primitive().tensor(),
-        kt.clone().into_primitive().tensor(),
-        vt.clone().into_primitive().tensor(),
-        o,
-    )));
-    let g = (y * float::<Autodiff<B>, 4>(r.clone(), qs, &d)).sum().backward();
+    let y = Tensor::<Autodiff<B>, 4>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::attention(
+            qt.clone().into_primitive().tensor(),
+            kt.clone().into_primitive().tensor(),
+            vt.clone().into_primitive().tensor(),
+            o,
+        ),
+    ));
+    let g = (y * float::<Autodiff<B>, 4>(r.clone(), qs, &d))
+        .sum()
+        .backward();
     let got: Vec<Vec<f32>> = [&qt, &kt, &vt].iter().map(|t| grad_of(t, &g)).collect();
     let (qr, kr, vr) = (
         float::<Ref, 4>(q, qs, &dr).require_grad(),
@@ -482,7 +523,10 @@ fn check_grads<B: ToyBackend>() {
         o,
     )));
     let g = (y * float::<Ref, 4>(r, qs, &dr)).sum().backward();
-    for (name, (got, want)) in ["dQ", "dK", "dV"].iter().zip(got.iter().zip([&qr, &kr, &vr].map(|t| host(t.grad(&g).unwrap())))) {
+    for (name, (got, want)) in ["dQ", "dK", "dV"].iter().zip(
+        got.iter()
+            .zip([&qr, &kr, &vr].map(|t| host(t.grad(&g).unwrap()))),
+    ) {
         close(&format!("attention {name}"), got, &want, 1e-5);
     }
 }
@@ -513,27 +557,64 @@ mod wgpu {
     /// multiples of the tile.
     fn matches_flex(ty: GgmlType) {
         let (dw, df) = (Default::default(), Default::default());
-        for (m, k, n) in [(1, 32, 1), (1, 800, 100), (3, 96, 37), (8, 160, 64), (9, 64, 17), (40, 800, 70)] {
+        for (m, k, n) in [
+            (1, 32, 1),
+            (1, 800, 100),
+            (3, 96, 37),
+            (8, 160, 64),
+            (9, 64, 17),
+            (40, 800, 70),
+        ] {
             let (p, w) = weight(ty, n, k, 5 + m as u64);
             let x = randn(m * k, 11 + n as u64);
             let run = |xs: Vec<f32>| -> (Vec<f32>, Vec<f32>) {
                 let on = |b: u8| -> Vec<f32> {
                     if b == 0 {
                         let (words, scales) = packed::<Wgpu>(&p, &dw);
-                        let xt = float::<Wgpu, 2>(xs.clone(), [m, k], &dw).into_primitive().tensor();
+                        let xt = float::<Wgpu, 2>(xs.clone(), [m, k], &dw)
+                            .into_primitive()
+                            .tensor();
                         let y = match ty {
-                            GgmlType::Q8_0 => Wgpu::q8_0_matmul(xt, words.into_primitive(), scales.into_primitive().tensor()),
-                            GgmlType::Q4_0 => Wgpu::q4_0_matmul(xt, words.into_primitive(), scales.into_primitive().tensor()),
-                            _ => Wgpu::q4_1_matmul(xt, words.into_primitive(), scales.into_primitive().tensor(), mins::<Wgpu>(&p, &dw).into_primitive().tensor()),
+                            GgmlType::Q8_0 => Wgpu::q8_0_matmul(
+                                xt,
+                                words.into_primitive(),
+                                scales.into_primitive().tensor(),
+                            ),
+                            GgmlType::Q4_0 => Wgpu::q4_0_matmul(
+                                xt,
+                                words.into_primitive(),
+                                scales.into_primitive().tensor(),
+                            ),
+                            _ => Wgpu::q4_1_matmul(
+                                xt,
+                                words.into_primitive(),
+                                scales.into_primitive().tensor(),
+                                mins::<Wgpu>(&p, &dw).into_primitive().tensor(),
+                            ),
                         };
                         host(Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(y)))
                     } else {
                         let (words, scales) = packed::<Flex>(&p, &df);
-                        let xt = float::<Flex, 2>(xs.clone(), [m, k], &df).into_primitive().tensor();
+                        let xt = float::<Flex, 2>(xs.clone(), [m, k], &df)
+                            .into_primitive()
+                            .tensor();
                         let y = match ty {
-                            GgmlType::Q8_0 => Flex::q8_0_matmul(xt, words.into_primitive(), scales.into_primitive().tensor()),
-                            GgmlType::Q4_0 => Flex::q4_0_matmul(xt, words.into_primitive(), scales.into_primitive().tensor()),
-                            _ => Flex::q4_1_matmul(xt, words.into_primitive(), scales.into_primitive().tensor(), mins::<Flex>(&p, &df).into_primitive().tensor()),
+                            GgmlType::Q8_0 => Flex::q8_0_matmul(
+                                xt,
+                                words.into_primitive(),
+                                scales.into_primitive().tensor(),
+                            ),
+                            GgmlType::Q4_0 => Flex::q4_0_matmul(
+                                xt,
+                                words.into_primitive(),
+                                scales.into_primitive().tensor(),
+                            ),
+                            _ => Flex::q4_1_matmul(
+                                xt,
+                                words.into_primitive(),
+                                scales.into_primitive().tensor(),
+                                mins::<Flex>(&p, &df).into_primitive().tensor(),
+                            ),
                         };
                         host(Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(y)))
                     }
@@ -544,7 +625,9 @@ mod wgpu {
             for i in 0..m {
                 for j in 0..n {
                     // Scale of the sum: Σ|x||w| over the row; 1e-6 of it is ~8 f32 roundings.
-                    let scale: f64 = (0..k).map(|l| (x[i * k + l] * w[j * k + l]).abs() as f64).sum();
+                    let scale: f64 = (0..k)
+                        .map(|l| (x[i * k + l] * w[j * k + l]).abs() as f64)
+                        .sum();
                     let (g, c) = (gpu[i * n + j] as f64, cpu[i * n + j] as f64);
                     assert!(
                         (g - c).abs() <= 1e-6 * scale + 1e-7,
@@ -597,12 +680,18 @@ mod wgpu {
             corr_dims: [0.0, 0.0],
             freq_factors: Some((0..64).map(|i| 1.0 + (i as f32 / 8.0).floor()).collect()),
         };
-        for (angles, layout, heads) in [(yarn, RopeLayout::Neox, 3), (llama3, RopeLayout::Interleaved, 2)] {
+        for (angles, layout, heads) in [
+            (yarn, RopeLayout::Neox, 3),
+            (llama3, RopeLayout::Interleaved, 2),
+        ] {
             let (t, dim) = (7, angles.n_dims);
             let (cos, sin) = angles.cos_sin((0..t as i64).map(|p| p * 1000 + 3));
             let x = randn(t * heads * dim, 9);
             let want = rope_f64(
-                &host(float::<Flex, 4>(x.clone(), [1, t, heads, dim], &Default::default()).swap_dims(1, 2)),
+                &host(
+                    float::<Flex, 4>(x.clone(), [1, t, heads, dim], &Default::default())
+                        .swap_dims(1, 2),
+                ),
                 [1, heads, t, dim],
                 &cos,
                 &sin,
@@ -611,8 +700,12 @@ mod wgpu {
             let xv = float::<Wgpu, 4>(x, [1, t, heads, dim], &d).swap_dims(1, 2);
             let y = Wgpu::rope(
                 xv.into_primitive().tensor(),
-                float::<Wgpu, 2>(cos.clone(), [t, dim / 2], &d).into_primitive().tensor(),
-                float::<Wgpu, 2>(sin.clone(), [t, dim / 2], &d).into_primitive().tensor(),
+                float::<Wgpu, 2>(cos.clone(), [t, dim / 2], &d)
+                    .into_primitive()
+                    .tensor(),
+                float::<Wgpu, 2>(sin.clone(), [t, dim / 2], &d)
+                    .into_primitive()
+                    .tensor(),
                 layout,
             );
             let got = host(Tensor::<Wgpu, 4>::from_primitive(TensorPrimitive::Float(y)));
@@ -649,9 +742,15 @@ mod wgpu {
             let k = randn(b * hkv * tk * dim, 22);
             let v = randn(b * hkv * tk * dim, 23);
             let y = <Wgpu as ToyBackend>::attention(
-                float::<Wgpu, 4>(q.clone(), [b, h, tq, dim], &d).into_primitive().tensor(),
-                float::<Wgpu, 4>(k.clone(), [b, hkv, tk, dim], &d).into_primitive().tensor(),
-                float::<Wgpu, 4>(v.clone(), [b, hkv, tk, dim], &d).into_primitive().tensor(),
+                float::<Wgpu, 4>(q.clone(), [b, h, tq, dim], &d)
+                    .into_primitive()
+                    .tensor(),
+                float::<Wgpu, 4>(k.clone(), [b, hkv, tk, dim], &d)
+                    .into_primitive()
+                    .tensor(),
+                float::<Wgpu, 4>(v.clone(), [b, hkv, tk, dim], &d)
+                    .into_primitive()
+                    .tensor(),
                 o,
             );
             let got = host(Tensor::<Wgpu, 4>::from_primitive(TensorPrimitive::Float(y)));
@@ -663,7 +762,10 @@ mod wgpu {
                 .fold(0.0, f64::max);
             // Outputs are averages of values in [-1, 1): 1e-5 is ~100 f32 roundings, room for
             // the GPU's exp (a few ulp) and the summation order over hundreds of keys.
-            assert!(worst < 1e-5, "attention b{b} h{h}/{hkv} tq{tq} tk{tk} d{dim}: max err {worst}");
+            assert!(
+                worst < 1e-5,
+                "attention b{b} h{h}/{hkv} tq{tq} tk{tk} d{dim}: max err {worst}"
+            );
         }
     }
 }

@@ -25,11 +25,19 @@ fn assert_clean_error(out: &Output, needle: &str) {
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "want one line, got: {stderr}");
     assert!(lines[0].starts_with("error: "), "{stderr}");
-    assert!(lines[0].contains(needle), "{:?} does not mention {needle:?}", lines[0]);
+    assert!(
+        lines[0].contains(needle),
+        "{:?} does not mention {needle:?}",
+        lines[0]
+    );
 }
 
 fn ids(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
 }
 
 /// `toy --backend B infer` greedy on SmolLM2 Q8_0 for 16 tokens: llama.cpp's ids.
@@ -57,7 +65,11 @@ fn infer_matches_llama_cpp(backend: &str) {
         ],
         &[],
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     assert_eq!(ids(&v["ids"]), ids(&case["gen_ids"])[..16], "{backend}");
     assert!(v["text"].as_str().unwrap().starts_with(" Paris."));
@@ -72,8 +84,20 @@ fn wgpu_infer_matches_llama_cpp() {
 fn wgpu_without_vulkan_driver_is_a_clean_error() {
     let model = smollm2("Q8_0");
     let out = toy_env(
-        &["--backend", "wgpu", "infer", model.to_str().unwrap(), "-p", "hi", "-n", "1"],
-        &[("VK_ICD_FILENAMES", "/nonexistent/icd.json"), ("VK_DRIVER_FILES", "/nonexistent/icd.json")],
+        &[
+            "--backend",
+            "wgpu",
+            "infer",
+            model.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-n",
+            "1",
+        ],
+        &[
+            ("VK_ICD_FILENAMES", "/nonexistent/icd.json"),
+            ("VK_DRIVER_FILES", "/nonexistent/icd.json"),
+        ],
     );
     assert_clean_error(&out, "mesa-vulkan-drivers");
 }
@@ -81,16 +105,41 @@ fn wgpu_without_vulkan_driver_is_a_clean_error() {
 #[test]
 fn wgpu_unknown_adapter_is_a_clean_error() {
     let model = smollm2("Q8_0");
-    let args = ["--backend", "wgpu", "infer", model.to_str().unwrap(), "-p", "hi", "-n", "1"];
-    assert_clean_error(&toy_env(&args, &[("TOY_WGPU_DEVICE", "discrete:7")]), "no discrete adapter number 7");
-    assert_clean_error(&toy_env(&args, &[("TOY_WGPU_DEVICE", "tpu")]), "expected default");
+    let args = [
+        "--backend",
+        "wgpu",
+        "infer",
+        model.to_str().unwrap(),
+        "-p",
+        "hi",
+        "-n",
+        "1",
+    ];
+    assert_clean_error(
+        &toy_env(&args, &[("TOY_WGPU_DEVICE", "discrete:7")]),
+        "no discrete adapter number 7",
+    );
+    assert_clean_error(
+        &toy_env(&args, &[("TOY_WGPU_DEVICE", "tpu")]),
+        "expected default",
+    );
 }
 
 #[cfg(not(target_os = "macos"))]
 #[test]
 fn metal_off_macos_is_a_clean_error() {
     let model = smollm2("Q8_0");
-    let out = toy_env(&["--backend", "metal", "infer", model.to_str().unwrap(), "-p", "hi"], &[]);
+    let out = toy_env(
+        &[
+            "--backend",
+            "metal",
+            "infer",
+            model.to_str().unwrap(),
+            "-p",
+            "hi",
+        ],
+        &[],
+    );
     assert_clean_error(&out, "needs macOS");
 }
 
@@ -98,14 +147,29 @@ fn metal_off_macos_is_a_clean_error() {
 /// missing driver is reported in one line instead of cubecl's panic in a worker thread.
 #[test]
 fn cuda_runs_or_says_what_is_missing() {
-    let has_driver = ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/cuda/lib64"]
-        .iter()
-        .any(|dir| std::path::Path::new(dir).join("libcuda.so.1").exists());
+    let has_driver = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/cuda/lib64",
+    ]
+    .iter()
+    .any(|dir| std::path::Path::new(dir).join("libcuda.so.1").exists());
     if has_driver {
         infer_matches_llama_cpp("cuda");
     } else {
         let model = smollm2("Q8_0");
-        let out = toy_env(&["--backend", "cuda", "infer", model.to_str().unwrap(), "-p", "hi"], &[]);
+        let out = toy_env(
+            &[
+                "--backend",
+                "cuda",
+                "infer",
+                model.to_str().unwrap(),
+                "-p",
+                "hi",
+            ],
+            &[],
+        );
         assert_clean_error(&out, "libcuda was not found");
     }
 }

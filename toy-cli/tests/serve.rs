@@ -446,7 +446,10 @@ fn serve_refuses_bad_options_with_a_message() {
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");
     }
-    assert!(help.contains("Examples:") && help.contains("/v1/chat/completions"), "{help}");
+    assert!(
+        help.contains("Examples:") && help.contains("/v1/chat/completions"),
+        "{help}"
+    );
 }
 
 fn tempdir(tag: &str) -> PathBuf {

@@ -44,7 +44,10 @@ fn greedy_matches_llama_cpp(kind: &str, margin_threshold: f64) {
     let mut failures = Vec::new();
     // Prompts 0-3 (4 to 16 tokens); the 193-token chat prompt takes minutes on lavapipe and is
     // covered on the CPU backend.
-    for (i, case) in oracle["results"][kind].as_array().unwrap()[..4].iter().enumerate() {
+    for (i, case) in oracle["results"][kind].as_array().unwrap()[..4]
+        .iter()
+        .enumerate()
+    {
         let prompt = ids(&case["prompt_ids"]);
         let expected = &ids(&case["gen_ids"])[..STEPS];
         let must_match = case["steps"].as_array().unwrap()[..STEPS]
@@ -53,9 +56,13 @@ fn greedy_matches_llama_cpp(kind: &str, margin_threshold: f64) {
             .unwrap_or(STEPS);
         let got = common::greedy(&gpu, &prompt, STEPS);
         let same = got.iter().zip(expected).take_while(|(a, b)| a == b).count();
-        eprintln!("{kind} prompt {i}: {same}/{STEPS} ids equal llama.cpp's (required {must_match})");
+        eprintln!(
+            "{kind} prompt {i}: {same}/{STEPS} ids equal llama.cpp's (required {must_match})"
+        );
         if same < must_match {
-            failures.push(format!("prompt {i}: wgpu {got:?}\n  llama.cpp {expected:?}"));
+            failures.push(format!(
+                "prompt {i}: wgpu {got:?}\n  llama.cpp {expected:?}"
+            ));
         }
     }
     assert!(failures.is_empty(), "{kind}: {}", failures.join("\n"));
@@ -77,8 +84,14 @@ fn logits<B: ToyBackend>(m: &impl CausalLm<B>, chunks: &[&[u32]]) -> Vec<Vec<f32
     let mut cache = m.new_cache();
     let mut rows = Vec::new();
     for c in chunks {
-        let data = TensorData::new(c.iter().map(|&x| x as i64).collect::<Vec<_>>(), [1, c.len()]);
-        let l = m.forward(Tensor::<B, 2, Int>::from_data(data, &m.device()), &mut cache);
+        let data = TensorData::new(
+            c.iter().map(|&x| x as i64).collect::<Vec<_>>(),
+            [1, c.len()],
+        );
+        let l = m.forward(
+            Tensor::<B, 2, Int>::from_data(data, &m.device()),
+            &mut cache,
+        );
         let v = l.into_data().into_vec::<f32>().unwrap();
         rows.extend(v.chunks(v.len() / c.len()).map(|r| r.to_vec()));
     }
@@ -93,7 +106,11 @@ fn smollm2_logits_on_wgpu_equal_cpu() {
     let oracle = common::oracle("greedy.json");
     let case = &oracle["results"]["Q8_0"][1];
     let prompt = ids(&case["prompt_ids"]);
-    let seq: Vec<u32> = prompt.iter().chain(&ids(&case["gen_ids"])[..14]).copied().collect();
+    let seq: Vec<u32> = prompt
+        .iter()
+        .chain(&ids(&case["gen_ids"])[..14])
+        .copied()
+        .collect();
     let whole = [&seq[..]];
     let mut steps: Vec<&[u32]> = vec![&seq[..prompt.len()]];
     steps.extend(seq[prompt.len()..].chunks(1));
@@ -106,7 +123,12 @@ fn smollm2_logits_on_wgpu_equal_cpu() {
             let diffs: Vec<f32> = g
                 .iter()
                 .zip(&c)
-                .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max))
+                .map(|(a, b)| {
+                    a.iter()
+                        .zip(b)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0, f32::max)
+                })
                 .collect();
             eprintln!("{kind} {mode}: max |wgpu - cpu| per position {diffs:?}");
             if kind == "F32" {
