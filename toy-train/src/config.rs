@@ -262,11 +262,40 @@ impl Default for CadenceConfig {
     }
 }
 
+/// How the model's starting weights are made. Serialized in config.json as `"from-scratch"` (a
+/// plain string, as runs before this enum wrote it) or `{"warm-start": {"donor": …}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Recipe {
+    /// Every weight drawn from the run's seed ([`crate::init`]).
+    FromScratch,
+    /// A from-scratch model whose token embeddings start from the donor GGUF's `token_embd`
+    /// (through a trainable projection when the widths differ); the tokenizer is the donor's.
+    WarmStart { donor: PathBuf },
+}
+
+impl Recipe {
+    /// The names `--recipe` takes.
+    pub const NAMES: [&str; 2] = ["from-scratch", "warm-start"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Recipe::FromScratch => "from-scratch",
+            Recipe::WarmStart { .. } => "warm-start",
+        }
+    }
+}
+
+impl std::fmt::Display for Recipe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A whole training run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
-    /// The recipe; only `from-scratch` exists so far.
-    pub recipe: String,
+    pub recipe: Recipe,
     /// The preset the shape and optimizer settings started from, if any (informational).
     pub preset: Option<Preset>,
     pub model: ModelShape,
@@ -281,7 +310,7 @@ impl TrainConfig {
     /// The from-scratch recipe with a preset's shape and optimizer settings.
     pub fn from_preset(preset: Preset, data: DataConfig, seed: u64) -> Self {
         TrainConfig {
-            recipe: "from-scratch".into(),
+            recipe: Recipe::FromScratch,
             preset: Some(preset),
             model: preset.shape(),
             optim: preset.optim(),
@@ -292,11 +321,11 @@ impl TrainConfig {
     }
 
     pub fn check(&self) -> Result<(), TrainError> {
-        if self.recipe != "from-scratch" {
-            return Err(TrainError::Config(format!(
-                "unknown recipe {:?} (available: from-scratch)",
-                self.recipe
-            )));
+        if let Recipe::WarmStart { .. } = self.recipe {
+            // The trainer does not build warm-started models yet (issue 4).
+            return Err(TrainError::Config(
+                "the warm-start recipe is not available yet".into(),
+            ));
         }
         self.model.check()?;
         self.optim.check()?;

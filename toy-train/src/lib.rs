@@ -25,7 +25,7 @@ pub mod schedule;
 pub mod trainer;
 
 pub use checkpoint::RunDir;
-pub use config::{CadenceConfig, DataConfig, ModelShape, OptimConfig, Preset, TrainConfig};
+pub use config::{CadenceConfig, DataConfig, ModelShape, OptimConfig, Preset, Recipe, TrainConfig};
 pub use trainer::{RunInfo, RunSummary, TrainSetup, train};
 
 /// Everything that can stop a run or an evaluation.

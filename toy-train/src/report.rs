@@ -68,7 +68,7 @@ pub fn summarize(run_dir: &Path) -> Result<RunSummary, TrainError> {
                     s.started = r.time;
                 }
                 s.id = run_id;
-                s.recipe = config.recipe.clone();
+                s.recipe = config.recipe.name().to_string();
                 s.preset = config.preset.map(|p| format!("{p:?}").to_lowercase());
                 s.n_params = n_params;
                 s.steps_total = config.optim.steps;
