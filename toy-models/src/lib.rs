@@ -9,6 +9,7 @@ pub mod generate;
 pub mod gpt2;
 pub mod llama;
 pub mod load;
+pub mod lora;
 pub mod model;
 pub mod qlinear;
 pub mod save;

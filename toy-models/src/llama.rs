@@ -15,6 +15,7 @@ use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive, activ
 use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
+use crate::lora::{BlockLora, project};
 use crate::qlinear::QLinear;
 
 /// The shape of a llama-family model.
@@ -227,6 +228,7 @@ impl LlamaConfig {
                     Ffn::Dense(mlp())
                 },
                 post_ffn_norm: self.post_norms.then(norm),
+                lora: None,
             })
             .collect();
         let token_embd = EmbeddingConfig::new(self.vocab_size, self.d_model).init(device);
@@ -305,6 +307,8 @@ pub struct Block<B: Backend> {
     pub ffn: Ffn<B>,
     /// Norm of the MLP output before the residual add (gemma2).
     pub post_ffn_norm: Option<RmsNorm<B>>,
+    /// LoRA adapters on this block's projections (`None`: the plain model).
+    pub lora: Option<BlockLora<B>>,
 }
 
 /// The feed-forward half of a block. (One per layer, so the variants' size difference costs
@@ -547,16 +551,18 @@ impl<B: ToyBackend> Block<B> {
             Some(n) => rms_norm(n, y),
             None => y,
         };
+        let lora = self.lora.as_ref();
         let a = self.attn.forward(
             rms_norm(&self.attn_norm, x.clone()),
             layer,
             cache,
             step,
             model,
+            lora,
         );
         let h = post(&self.post_attn_norm, a) + x;
         let f = match &self.ffn {
-            Ffn::Dense(mlp) => mlp.forward(rms_norm(&self.ffn_norm, h.clone())),
+            Ffn::Dense(mlp) => mlp.forward(rms_norm(&self.ffn_norm, h.clone()), lora),
             Ffn::Moe(moe) => moe.forward(rms_norm(&self.ffn_norm, h.clone())),
         };
         post(&self.post_ffn_norm, f) + h
@@ -571,14 +577,16 @@ impl<B: ToyBackend> Attention<B> {
         cache: &mut KvCache<B>,
         step: &Step<B>,
         model: &Transformer<B>,
+        lora: Option<&BlockLora<B>>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         // Project (+ bias), split into heads (+ per-head norm), heads before tokens.
         let heads = |w: &QLinear<B>,
+                     adapter,
                      bias: &Option<Param<Tensor<B, 1>>>,
                      norm: &Option<RmsNorm<B>>,
                      n: usize| {
-            let mut y = w.forward(x.clone());
+            let mut y = project(w, adapter, x.clone());
             if let Some(bias) = bias {
                 y = y + bias.val().unsqueeze::<3>();
             }
@@ -593,9 +601,27 @@ impl<B: ToyBackend> Attention<B> {
             }
             y.swap_dims(1, 2)
         };
-        let q = heads(&self.wq, &self.bq, &self.q_norm, self.n_head);
-        let k = heads(&self.wk, &self.bk, &self.k_norm, self.n_head_kv);
-        let v = heads(&self.wv, &self.bv, &None, self.n_head_kv);
+        let q = heads(
+            &self.wq,
+            lora.and_then(|l| l.q.as_ref()),
+            &self.bq,
+            &self.q_norm,
+            self.n_head,
+        );
+        let k = heads(
+            &self.wk,
+            lora.and_then(|l| l.k.as_ref()),
+            &self.bk,
+            &self.k_norm,
+            self.n_head_kv,
+        );
+        let v = heads(
+            &self.wv,
+            lora.and_then(|l| l.v.as_ref()),
+            &self.bv,
+            &None,
+            self.n_head_kv,
+        );
         let mut q = self.rope(q, step, model);
         let k = self.rope(k, step, model);
         let (k, v) = cache.append(layer, k, v);
@@ -619,7 +645,9 @@ impl<B: ToyBackend> Attention<B> {
             options,
         );
         let out: Tensor<B, 4> = Tensor::from_primitive(TensorPrimitive::Float(out));
-        self.wo.forward(
+        project(
+            &self.wo,
+            lora.and_then(|l| l.o.as_ref()),
             out.swap_dims(1, 2)
                 .reshape([b, t, self.n_head * self.head_dim]),
         )
@@ -641,9 +669,13 @@ impl<B: ToyBackend> Attention<B> {
 }
 
 impl<B: ToyBackend> Mlp<B> {
-    fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let gate = self.gate.forward(x.clone());
-        let up = self.up.forward(x);
+    fn forward<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        lora: Option<&BlockLora<B>>,
+    ) -> Tensor<B, D> {
+        let gate = project(&self.gate, lora.and_then(|l| l.gate.as_ref()), x.clone());
+        let up = project(&self.up, lora.and_then(|l| l.up.as_ref()), x);
         let h = if self.gelu {
             gelu_ggml(gate) * up
         } else {
@@ -652,7 +684,7 @@ impl<B: ToyBackend> Mlp<B> {
                 up.into_primitive().tensor(),
             )))
         };
-        self.down.forward(h)
+        project(&self.down, lora.and_then(|l| l.down.as_ref()), h)
     }
 }
 
@@ -700,7 +732,7 @@ impl<B: ToyBackend> Moe<B> {
             let weights: Vec<f32> = mine.iter().map(|&s| slots[s].1).collect();
             let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [m]), &device);
             let weights = Tensor::<B, 2>::from_data(TensorData::new(weights, [m, 1]), &device);
-            outputs.push(expert.forward(x.clone().select(0, rows)) * weights);
+            outputs.push(expert.forward(x.clone().select(0, rows), None) * weights);
             for s in mine {
                 position[s] = next;
                 next += 1;

@@ -173,6 +173,7 @@ pub fn load<B: ToyBackend>(
             ffn_norm,
             ffn,
             post_ffn_norm: post("post_ffw_norm")?,
+            lora: None,
         });
     }
     // Llama 3.x stores per-pair frequency divisors as a tensor.

@@ -1,0 +1,417 @@
+//! LoRA adapters for the llama-family model: `y = W·x + (alpha/r) · B·A·dropout(x)` on any of the
+//! projections q, k, v, o, gate, up, down, with `A: [r, in]` and `B: [out, r]` (PEFT's shapes).
+//!
+//! A block carries its adapters in `Block::lora`; without them (`None`, what loading and `init`
+//! give) the model runs exactly the code it runs without this module. The base weights are not
+//! touched: training freezes them (see `toy_train`), so only `A` and `B` get gradients.
+//!
+//! The model computes in the GGUF `llama` orientation, where the HF→GGUF converter permuted the
+//! rows of Q and K for interleaved RoPE; `B` of q and k therefore has its rows in that order too
+//! (which is what a GGUF LoRA adapter holds). [`permute_rows_to_hf`] gives the HF order that a
+//! PEFT file needs.
+
+use burn::module::{Module, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use toy_kernels::ToyBackend;
+
+use crate::llama::{Ffn, Transformer};
+use crate::qlinear::QLinear;
+
+/// A projection an adapter can sit on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The short name used on the command line (`q`, `gate`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Q => "q",
+            Target::K => "k",
+            Target::V => "v",
+            Target::O => "o",
+            Target::Gate => "gate",
+            Target::Up => "up",
+            Target::Down => "down",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// The Hugging Face module path inside a decoder layer (`self_attn.q_proj`, `mlp.up_proj`).
+    pub fn hf_module(self) -> &'static str {
+        match self {
+            Target::Q => "self_attn.q_proj",
+            Target::K => "self_attn.k_proj",
+            Target::V => "self_attn.v_proj",
+            Target::O => "self_attn.o_proj",
+            Target::Gate => "mlp.gate_proj",
+            Target::Up => "mlp.up_proj",
+            Target::Down => "mlp.down_proj",
+        }
+    }
+
+    /// The GGUF tensor name stem inside `blk.N.` (`attn_q`, `ffn_up`).
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Target::Q => "attn_q",
+            Target::K => "attn_k",
+            Target::V => "attn_v",
+            Target::O => "attn_output",
+            Target::Gate => "ffn_gate",
+            Target::Up => "ffn_up",
+            Target::Down => "ffn_down",
+        }
+    }
+}
+
+/// One adapter: `delta(x) = scale · (dropout(x) · Aᵀ) · Bᵀ`.
+#[derive(Module, Debug)]
+pub struct Lora<B: Backend> {
+    /// `[r, in]`.
+    pub a: Param<Tensor<B, 2>>,
+    /// `[out, r]`, zero at the start of training (so the adapted model starts as the base).
+    pub b: Param<Tensor<B, 2>>,
+    /// `alpha / r`.
+    #[module(skip)]
+    pub scale: f32,
+    /// Probability of zeroing an input element during training (under autodiff only).
+    #[module(skip)]
+    pub dropout: f32,
+    /// Seed of the current dropout mask: the trainer sets it before each micro-batch
+    /// ([`set_dropout_seed`]), so a run's masks are a function of its seed and step.
+    #[module(skip)]
+    pub dropout_seed: u64,
+}
+
+impl<B: ToyBackend> Lora<B> {
+    /// The adapter's contribution for `x[.., in]`: `[.., out]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dims = x.dims();
+        let k = dims[D - 1];
+        let mut x2: Tensor<B, 2> = x.reshape([-1, k as i32]);
+        let device = x2.device();
+        if self.dropout > 0.0 && B::ad_enabled(&device) {
+            let n = x2.dims()[0] * k;
+            let keep = 1.0 / (1.0 - self.dropout);
+            let mut rng = self.dropout_seed;
+            let mask: Vec<f32> = (0..n)
+                .map(|_| {
+                    let u = (splitmix64(&mut rng) >> 40) as f32 / (1u64 << 24) as f32;
+                    if u < self.dropout { 0.0 } else { keep }
+                })
+                .collect();
+            let mask = Tensor::<B, 2>::from_data(TensorData::new(mask, x2.dims()), &device);
+            x2 = x2 * mask;
+        }
+        let y = x2
+            .matmul(self.a.val().transpose())
+            .matmul(self.b.val().transpose())
+            .mul_scalar(self.scale);
+        let mut out = dims;
+        out[D - 1] = y.dims()[1];
+        y.reshape(out)
+    }
+
+    /// `scale · B·A` `[out, in]`: what merging adds to the base weight.
+    pub fn delta_weight(&self) -> Tensor<B, 2> {
+        self.b.val().matmul(self.a.val()).mul_scalar(self.scale)
+    }
+}
+
+/// `w·x`, plus the adapter's contribution when there is one. Without an adapter this is exactly
+/// `w.forward(x)`.
+pub fn project<B: ToyBackend, const D: usize>(
+    w: &QLinear<B>,
+    lora: Option<&Lora<B>>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    match lora {
+        None => w.forward(x),
+        Some(l) => w.forward(x.clone()) + l.forward(x),
+    }
+}
+
+/// The adapters of one block (any subset of the seven projections).
+#[derive(Module, Debug)]
+pub struct BlockLora<B: Backend> {
+    pub q: Option<Lora<B>>,
+    pub k: Option<Lora<B>>,
+    pub v: Option<Lora<B>>,
+    pub o: Option<Lora<B>>,
+    pub gate: Option<Lora<B>>,
+    pub up: Option<Lora<B>>,
+    pub down: Option<Lora<B>>,
+}
+
+impl<B: Backend> BlockLora<B> {
+    pub fn get(&self, t: Target) -> Option<&Lora<B>> {
+        match t {
+            Target::Q => self.q.as_ref(),
+            Target::K => self.k.as_ref(),
+            Target::V => self.v.as_ref(),
+            Target::O => self.o.as_ref(),
+            Target::Gate => self.gate.as_ref(),
+            Target::Up => self.up.as_ref(),
+            Target::Down => self.down.as_ref(),
+        }
+    }
+
+    fn slot(&mut self, t: Target) -> &mut Option<Lora<B>> {
+        match t {
+            Target::Q => &mut self.q,
+            Target::K => &mut self.k,
+            Target::V => &mut self.v,
+            Target::O => &mut self.o,
+            Target::Gate => &mut self.gate,
+            Target::Up => &mut self.up,
+            Target::Down => &mut self.down,
+        }
+    }
+}
+
+/// Every block's adapters, apart from the model: what a LoRA checkpoint records.
+#[derive(Module, Debug)]
+pub struct LoraAdapters<B: Backend> {
+    pub blocks: Vec<BlockLora<B>>,
+}
+
+/// The shape of a set of adapters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f32,
+    pub dropout: f32,
+    pub targets: Vec<Target>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoraError {
+    #[error("LoRA on the MLP of a mixture-of-experts model is not supported (target q,k,v,o only)")]
+    MoeMlp,
+    #[error("LoRA rank must be positive")]
+    ZeroRank,
+    #[error("the adapters have {found} blocks, the model {expected}")]
+    Blocks { expected: usize, found: usize },
+}
+
+/// `(in, out)` of `target` in `model`'s block `layer`.
+fn dims<B: Backend>(model: &Transformer<B>, layer: usize, t: Target) -> Option<(usize, usize)> {
+    let block = &model.blocks[layer];
+    let a = &block.attn;
+    let (qdim, kvdim) = (a.n_head * a.head_dim, a.n_head_kv * a.head_dim);
+    let d_model = block.attn_norm.gamma.dims()[0];
+    let d_ff = match &block.ffn {
+        Ffn::Dense(mlp) => qlinear_out(&mlp.up),
+        Ffn::Moe(_) => return None,
+    };
+    Some(match t {
+        Target::Q => (d_model, qdim),
+        Target::K | Target::V => (d_model, kvdim),
+        Target::O => (qdim, d_model),
+        Target::Gate | Target::Up => (d_model, d_ff),
+        Target::Down => (d_ff, d_model),
+    })
+}
+
+fn qlinear_out<B: Backend>(w: &QLinear<B>) -> usize {
+    match w {
+        QLinear::Dense(w) => w.dims()[0],
+        QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => p.scales.dims()[0],
+    }
+}
+
+/// Fresh adapters for `model`: `A` from `draw_a(layer, target, [r, in])` (row-major values),
+/// `B` zero.
+pub fn new_adapters<B: Backend>(
+    model: &Transformer<B>,
+    spec: &LoraSpec,
+    mut draw_a: impl FnMut(usize, Target, [usize; 2]) -> Vec<f32>,
+) -> Result<LoraAdapters<B>, LoraError> {
+    if spec.rank == 0 {
+        return Err(LoraError::ZeroRank);
+    }
+    let device = model.output_norm.gamma.device();
+    let scale = spec.alpha / spec.rank as f32;
+    let mut blocks = Vec::with_capacity(model.blocks.len());
+    for layer in 0..model.blocks.len() {
+        let mut block = BlockLora {
+            q: None,
+            k: None,
+            v: None,
+            o: None,
+            gate: None,
+            up: None,
+            down: None,
+        };
+        for &t in &spec.targets {
+            let (inp, out) = dims(model, layer, t).ok_or(LoraError::MoeMlp)?;
+            let a = draw_a(layer, t, [spec.rank, inp]);
+            *block.slot(t) = Some(Lora {
+                a: Param::from_tensor(Tensor::from_data(
+                    TensorData::new(a, [spec.rank, inp]),
+                    &device,
+                )),
+                b: Param::from_tensor(Tensor::zeros([out, spec.rank], &device)),
+                scale,
+                dropout: spec.dropout,
+                dropout_seed: 0,
+            });
+        }
+        blocks.push(block);
+    }
+    Ok(LoraAdapters { blocks })
+}
+
+/// Put `adapters` into `model` (replacing any it had).
+pub fn install<B: Backend>(
+    mut model: Transformer<B>,
+    adapters: LoraAdapters<B>,
+) -> Result<Transformer<B>, LoraError> {
+    if adapters.blocks.len() != model.blocks.len() {
+        return Err(LoraError::Blocks {
+            expected: model.blocks.len(),
+            found: adapters.blocks.len(),
+        });
+    }
+    for (block, lora) in model.blocks.iter_mut().zip(adapters.blocks) {
+        block.lora = Some(lora);
+    }
+    Ok(model)
+}
+
+/// A copy of the adapters of `model` (blocks without adapters give empty ones).
+pub fn adapters<B: Backend>(model: &Transformer<B>) -> LoraAdapters<B> {
+    LoraAdapters {
+        blocks: model
+            .blocks
+            .iter()
+            .map(|b| {
+                b.lora.clone().unwrap_or(BlockLora {
+                    q: None,
+                    k: None,
+                    v: None,
+                    o: None,
+                    gate: None,
+                    up: None,
+                    down: None,
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Set the dropout seed of every adapter from `seed` (each adapter its own stream).
+pub fn set_dropout_seed<B: Backend>(model: &mut Transformer<B>, seed: u64) {
+    for (layer, block) in model.blocks.iter_mut().enumerate() {
+        if let Some(lora) = &mut block.lora {
+            for t in Target::ALL {
+                if let Some(l) = lora.slot(t) {
+                    let mut s =
+                        seed ^ ((layer as u64) << 8 | t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    l.dropout_seed = splitmix64(&mut s);
+                }
+            }
+        }
+    }
+}
+
+/// Fold every adapter into its base weight (`W + scale·B·A`) and drop the adapters. The base
+/// projections must be float (`QLinear::Dense`); quantized ones are left as they are and
+/// reported as an error by the caller's saver.
+pub fn merge<B: ToyBackend>(mut model: Transformer<B>) -> Transformer<B> {
+    for block in model.blocks.iter_mut() {
+        let Some(lora) = block.lora.take() else {
+            continue;
+        };
+        let fold = |w: &mut QLinear<B>, l: Option<&Lora<B>>| {
+            if let (QLinear::Dense(p), Some(l)) = (&*w, l) {
+                let merged = p.val() + l.delta_weight();
+                *w = QLinear::Dense(Param::from_tensor(merged));
+            }
+        };
+        let attn = &mut block.attn;
+        fold(&mut attn.wq, lora.q.as_ref());
+        fold(&mut attn.wk, lora.k.as_ref());
+        fold(&mut attn.wv, lora.v.as_ref());
+        fold(&mut attn.wo, lora.o.as_ref());
+        if let Ffn::Dense(mlp) = &mut block.ffn {
+            fold(&mut mlp.gate, lora.gate.as_ref());
+            fold(&mut mlp.up, lora.up.as_ref());
+            fold(&mut mlp.down, lora.down.as_ref());
+        }
+    }
+    model
+}
+
+/// Rows of a `[n_head·head_dim, cols]` matrix from the GGUF `llama` order (interleaved RoPE
+/// pairs) back to the HF order (half-split): the inverse of the HF→GGUF converter's `permute`.
+/// `gguf[h, j, i] = hf[h, i, j]` for `i ∈ {0, 1}`, `j < head_dim/2`.
+pub fn permute_rows_to_hf(values: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
+    permute_rows(values, n_head, cols, true)
+}
+
+/// The HF→GGUF converter's row permutation of Q/K (and of their LoRA `B`).
+pub fn permute_rows_to_gguf(values: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
+    permute_rows(values, n_head, cols, false)
+}
+
+fn permute_rows(values: &[f32], n_head: usize, cols: usize, to_hf: bool) -> Vec<f32> {
+    let rows = values.len() / cols;
+    let half = rows / n_head / 2;
+    let mut out = vec![0.0; values.len()];
+    for h in 0..n_head {
+        for i in 0..2 {
+            for j in 0..half {
+                let hf = h * 2 * half + i * half + j;
+                let gguf = h * 2 * half + j * 2 + i;
+                let (src, dst) = if to_hf { (gguf, hf) } else { (hf, gguf) };
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_permutations_are_inverse_and_match_the_converter() {
+        // 2 heads of width 4, 1 column: HF rows [h0: a0 a1 b0 b1, h1: ...] → GGUF [a0 b0 a1 b1].
+        let hf: Vec<f32> = (0..8).map(|x| x as f32).collect();
+        let gguf = permute_rows_to_gguf(&hf, 2, 1);
+        assert_eq!(gguf, vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
+        assert_eq!(permute_rows_to_hf(&gguf, 2, 1), hf);
+    }
+}
