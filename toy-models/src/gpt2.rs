@@ -8,10 +8,11 @@
 //! (Q, K, V stacked along the output), `attn_output`, `ffn_up`, `ffn_down` with biases, and the
 //! `attn_norm`/`ffn_norm`/`output_norm` LayerNorms.
 
+use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Embedding;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use toy_core::config::ModelConfig;
 use toy_core::gguf::GgufFile;
 use toy_kernels::{AttentionOptions, ToyBackend};
@@ -19,6 +20,87 @@ use toy_kernels::{AttentionOptions, ToyBackend};
 use crate::llama::{KvCache, gelu_ggml};
 use crate::load::{LoadError, dense_tensor, linear, tensor};
 use crate::qlinear::QLinear;
+
+/// The shape of a GPT-2 model (its GGUF `gpt2.*` keys).
+#[derive(Config, Debug)]
+pub struct Gpt2Config {
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Attention heads (`d_model` must be a multiple).
+    pub n_head: usize,
+    /// Hidden width of the GELU MLP (4 × `d_model` in OpenAI's GPT-2).
+    pub d_ff: usize,
+    pub vocab_size: usize,
+    /// Positions with a learned embedding: the longest context.
+    pub context_length: usize,
+    /// LayerNorm epsilon.
+    #[config(default = 1e-5)]
+    pub norm_eps: f64,
+}
+
+impl Gpt2Config {
+    /// The shape of a loaded `gpt2` GGUF.
+    pub fn from_model_config(c: &ModelConfig) -> Self {
+        Gpt2Config::new(
+            c.n_layer,
+            c.d_model,
+            c.n_head,
+            c.d_ff,
+            c.vocab_size,
+            c.context_length,
+        )
+        .with_norm_eps(c.rms_eps as f64)
+    }
+
+    /// A randomly initialized model, for training from scratch and tests: matrices and
+    /// embeddings N(0, 1/fan_in) from burn's RNG (the output head untied, with its own weights),
+    /// LayerNorms at weight 1 and bias 0, biases 0.
+    pub fn init<B: ToyBackend>(&self, device: &B::Device) -> Gpt2<B> {
+        let normal = |shape: [usize; 2]| {
+            let std = (1.0 / shape[1] as f64).sqrt();
+            Param::from_tensor(Tensor::random(
+                shape,
+                Distribution::Normal(0.0, std),
+                device,
+            ))
+        };
+        let zeros = |n: usize| Param::from_tensor(Tensor::zeros([n], device));
+        let layer_norm = || LayerNorm {
+            weight: Param::from_tensor(Tensor::ones([self.d_model], device)),
+            bias: zeros(self.d_model),
+            eps: self.norm_eps,
+        };
+        let linear = |out: usize, inp: usize| Linear {
+            weight: QLinear::Dense(normal([out, inp])),
+            bias: zeros(out),
+        };
+        let d = self.d_model;
+        Gpt2 {
+            token_embd: Embedding {
+                weight: normal([self.vocab_size, d]),
+            },
+            pos_embd: Embedding {
+                weight: normal([self.context_length, d]),
+            },
+            blocks: (0..self.n_layer)
+                .map(|_| Gpt2Block {
+                    attn_norm: layer_norm(),
+                    qkv: linear(3 * d, d),
+                    wo: linear(d, d),
+                    ffn_norm: layer_norm(),
+                    up: linear(self.d_ff, d),
+                    down: linear(d, self.d_ff),
+                    n_head: self.n_head,
+                })
+                .collect(),
+            output_norm: layer_norm(),
+            output: QLinear::Dense(normal([self.vocab_size, d])),
+            context_length: self.context_length,
+        }
+    }
+}
 
 /// The whole GPT-2 model.
 #[derive(Module, Debug)]

@@ -1,5 +1,6 @@
-//! Write a [`Transformer`] as a standard llama GGUF: what `toy train` checkpoints are, and what
-//! [`load`](crate::load::load), `toy infer` and llama.cpp read back.
+//! Write a [`Transformer`] as a standard llama GGUF, or a [`Gpt2`] as a `gpt2` one: what `toy
+//! train` checkpoints are, and what [`load`](crate::load::load), `toy infer` and llama.cpp read
+//! back.
 //!
 //! The file has `general.architecture = llama`, every `llama.*` key llama.cpp needs to build the
 //! model, the tokenizer metadata of the caller's choosing (copied from the tokenizer's own GGUF),
@@ -15,6 +16,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use toy_core::gguf::{GgmlType, GgufError, GgufWriter, Value};
 
+use crate::gpt2::{Gpt2, Gpt2Config, LayerNorm, Linear};
 use crate::llama::{Ffn, LlamaConfig, Transformer};
 use crate::qlinear::QLinear;
 
@@ -88,20 +90,7 @@ pub fn to_gguf<B: Backend>(
     if !config.rope_interleaved {
         return Err(SaveError::Architecture("half-split (neox) RoPE"));
     }
-    let mut w = GgufWriter::new();
-    w.set("general.architecture", Value::String("llama".into()))?;
-    for (key, value) in extra {
-        if key == "general.architecture" || key.starts_with("llama.") {
-            return Err(SaveError::ReservedKey(key.clone()));
-        }
-        // `general.*` keys go before the architecture keys, as gguf-py orders them; the rest
-        // (tokenizer) after.
-        if key.starts_with("general.") {
-            w.set(key.clone(), value.clone())?;
-        }
-    }
-    // llama.cpp's ALL_F32 file type: every weight is F32.
-    w.set("general.file_type", Value::U32(0))?;
+    let mut w = begin("llama", extra)?;
     let c = config;
     let u32_of = |v: usize| Value::U32(v as u32);
     w.set("llama.vocab_size", u32_of(c.vocab_size))?;
@@ -122,11 +111,7 @@ pub fn to_gguf<B: Backend>(
         Value::F32(c.rms_eps as f32),
     )?;
     w.set("llama.rope.freq_base", Value::F32(c.rope_theta))?;
-    for (key, value) in extra {
-        if !key.starts_with("general.") {
-            w.set(key.clone(), value.clone())?;
-        }
-    }
+    end_metadata(&mut w, extra)?;
 
     let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
     add(
@@ -167,6 +152,113 @@ pub fn save<B: Backend>(
     path: impl AsRef<Path>,
 ) -> Result<u64, SaveError> {
     Ok(to_gguf(model, config, extra)?.write_atomic(path)?)
+}
+
+/// The writer of a GPT-2 model as llama.cpp's `gpt2` architecture: `gpt2.*` metadata from
+/// `config`, then `extra` (as in [`to_gguf`]), then F32 tensors with llama.cpp's names
+/// (`position_embd`, fused `attn_qkv` with Q, K, V stacked along the output, LayerNorm and
+/// linear biases). The output head is written as `output.weight` (llama.cpp's gpt2 loader takes
+/// it when present and falls back to `token_embd` otherwise), so a model whose head was trained
+/// apart from its embedding keeps it.
+pub fn to_gguf_gpt2<B: Backend>(
+    model: &Gpt2<B>,
+    config: &Gpt2Config,
+    extra: &[(String, Value)],
+) -> Result<GgufWriter<'static>, SaveError> {
+    let mut w = begin("gpt2", extra)?;
+    let c = config;
+    let u32_of = |v: usize| Value::U32(v as u32);
+    w.set("gpt2.context_length", u32_of(c.context_length))?;
+    w.set("gpt2.embedding_length", u32_of(c.d_model))?;
+    w.set("gpt2.feed_forward_length", u32_of(c.d_ff))?;
+    w.set("gpt2.block_count", u32_of(c.n_layer))?;
+    w.set("gpt2.attention.head_count", u32_of(c.n_head))?;
+    w.set(
+        "gpt2.attention.layer_norm_epsilon",
+        Value::F32(c.norm_eps as f32),
+    )?;
+    end_metadata(&mut w, extra)?;
+
+    let d = c.d_model;
+    let layer_norm = |w: &mut GgufWriter<'static>, name: &str, n: &LayerNorm<B>| {
+        add(w, &format!("{name}.weight"), &n.weight, &[d])?;
+        add(w, &format!("{name}.bias"), &n.bias, &[d])
+    };
+    let linear = |w: &mut GgufWriter<'static>, name: &str, l: &Linear<B>, shape: [usize; 2]| {
+        add_linear(w, &format!("{name}.weight"), &l.weight, &shape)?;
+        add(w, &format!("{name}.bias"), &l.bias, &[shape[0]])
+    };
+    add(
+        &mut w,
+        "token_embd.weight",
+        &model.token_embd.weight,
+        &[c.vocab_size, d],
+    )?;
+    add(
+        &mut w,
+        "position_embd.weight",
+        &model.pos_embd.weight,
+        &[c.context_length, d],
+    )?;
+    layer_norm(&mut w, "output_norm", &model.output_norm)?;
+    add_linear(&mut w, "output.weight", &model.output, &[c.vocab_size, d])?;
+    if model.blocks.len() != c.n_layer {
+        return Err(SaveError::Shape {
+            name: "blk".into(),
+            expected: vec![c.n_layer],
+            found: vec![model.blocks.len()],
+        });
+    }
+    for (i, b) in model.blocks.iter().enumerate() {
+        let name = |t: &str| format!("blk.{i}.{t}");
+        layer_norm(&mut w, &name("attn_norm"), &b.attn_norm)?;
+        linear(&mut w, &name("attn_qkv"), &b.qkv, [3 * d, d])?;
+        linear(&mut w, &name("attn_output"), &b.wo, [d, d])?;
+        layer_norm(&mut w, &name("ffn_norm"), &b.ffn_norm)?;
+        linear(&mut w, &name("ffn_up"), &b.up, [c.d_ff, d])?;
+        linear(&mut w, &name("ffn_down"), &b.down, [d, c.d_ff])?;
+    }
+    Ok(w)
+}
+
+/// Write a GPT-2 model to `path` atomically (see [`save`] and [`to_gguf_gpt2`]).
+pub fn save_gpt2<B: Backend>(
+    model: &Gpt2<B>,
+    config: &Gpt2Config,
+    extra: &[(String, Value)],
+    path: impl AsRef<Path>,
+) -> Result<u64, SaveError> {
+    Ok(to_gguf_gpt2(model, config, extra)?.write_atomic(path)?)
+}
+
+/// A writer with `general.architecture = arch`, the `general.*` keys of `extra` (before the
+/// architecture keys, as gguf-py orders them) and `general.file_type` = ALL_F32. `extra` may not
+/// set the architecture or any `arch.*` key: those describe the tensors.
+fn begin(arch: &str, extra: &[(String, Value)]) -> Result<GgufWriter<'static>, SaveError> {
+    let mut w = GgufWriter::new();
+    w.set("general.architecture", Value::String(arch.into()))?;
+    let own = format!("{arch}.");
+    for (key, value) in extra {
+        if key == "general.architecture" || key.starts_with(&own) {
+            return Err(SaveError::ReservedKey(key.clone()));
+        }
+        if key.starts_with("general.") {
+            w.set(key.clone(), value.clone())?;
+        }
+    }
+    // llama.cpp's ALL_F32 file type: every weight is F32.
+    w.set("general.file_type", Value::U32(0))?;
+    Ok(w)
+}
+
+/// The rest of `extra` (the tokenizer), after the architecture keys.
+fn end_metadata(w: &mut GgufWriter<'static>, extra: &[(String, Value)]) -> Result<(), SaveError> {
+    for (key, value) in extra {
+        if !key.starts_with("general.") {
+            w.set(key.clone(), value.clone())?;
+        }
+    }
+    Ok(())
 }
 
 fn rope_dim(c: &LlamaConfig) -> usize {
