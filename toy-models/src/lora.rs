@@ -336,6 +336,31 @@ pub fn set_dropout_seed<B: Backend>(model: &mut Transformer<B>, seed: u64) {
     }
 }
 
+/// Whether any adapter of `model` uses dropout.
+pub fn has_dropout<B: Backend>(model: &Transformer<B>) -> bool {
+    model.blocks.iter().any(|b| {
+        b.lora.as_ref().is_some_and(|l| {
+            Target::ALL
+                .iter()
+                .any(|&t| l.get(t).is_some_and(|a| a.dropout > 0.0))
+        })
+    })
+}
+
+/// Move every adapter's dropout seed to its `k`-th next stream (micro-batch `k` of a step).
+pub fn advance_dropout<B: Backend>(model: &mut Transformer<B>, k: u64) {
+    for block in model.blocks.iter_mut() {
+        if let Some(lora) = &mut block.lora {
+            for t in Target::ALL {
+                if let Some(l) = lora.slot(t) {
+                    let mut s = l.dropout_seed ^ k.wrapping_mul(0xA24B_AED4_963E_E407);
+                    l.dropout_seed = splitmix64(&mut s);
+                }
+            }
+        }
+    }
+}
+
 /// Fold every adapter into its base weight (`W + scale·B·A`) and drop the adapters. The base
 /// projections must be float (`QLinear::Dense`); quantized ones are left as they are and
 /// reported as an error by the caller's saver.

@@ -1,0 +1,583 @@
+//! LoRA adapter files: Hugging Face PEFT (`adapter_config.json` + `adapter_model.safetensors`)
+//! and GGUF LoRA adapters (what llama.cpp's `convert_lora_to_gguf.py` writes and `--lora`
+//! loads), and folding an adapter into a base GGUF (`toy merge`).
+//!
+//! Both formats hold `A: [r, in]` and `B: [out, r]` per adapted projection, F32:
+//! - PEFT: `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` `[r, in]` and
+//!   `…lora_B.weight` `[out, r]`, in the HF orientation: the rows of q's and k's `B` are in HF's
+//!   half-split order, the inverse of the permutation the HF→GGUF converter applies to Q/K.
+//! - GGUF: `general.type = adapter`, `adapter.type = lora`, `adapter.lora.alpha`; tensors
+//!   `blk.N.attn_q.weight.lora_a` with ggml dims `[in, r]` and `…lora_b` with dims `[r, out]`
+//!   (the same row-major bytes as PEFT's `[r, in]` and `[out, r]`), in the GGUF orientation
+//!   (Q/K rows permuted for interleaved RoPE, as the base's `attn_q`/`attn_k`). llama.cpp adds
+//!   `(alpha / r) · B·(A·x)` to the projection (`llm_graph_context::build_lora_mm`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value, quantize, tensor_to_f32};
+use toy_models::Transformer;
+use toy_models::lora::{Target, permute_rows_to_gguf, permute_rows_to_hf};
+
+use crate::TrainError;
+use crate::checkpoint::write_atomic;
+
+/// One adapted projection, on the host: `a` `[r, in]` and `b` `[out, r]` row-major, GGUF
+/// orientation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterTensor {
+    pub layer: usize,
+    pub target: Target,
+    pub rank: usize,
+    pub inp: usize,
+    pub out: usize,
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+}
+
+/// A whole adapter on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Adapter {
+    pub alpha: f32,
+    pub rank: usize,
+    pub dropout: f32,
+    pub tensors: Vec<AdapterTensor>,
+}
+
+/// Head counts of the base, for the Q/K row permutation.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+}
+
+fn host<B: Backend>(t: burn::tensor::Tensor<B, 2>) -> Result<Vec<f32>, TrainError> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| TrainError::Backend(format!("cannot read an adapter back: {e:?}")))
+}
+
+impl Adapter {
+    /// The adapters `model` carries (its blocks' `lora`).
+    pub fn from_model<B: Backend>(
+        model: &Transformer<B>,
+        alpha: f32,
+        dropout: f32,
+    ) -> Result<Self, TrainError> {
+        let mut tensors = Vec::new();
+        let mut rank = 0;
+        for (layer, block) in model.blocks.iter().enumerate() {
+            let Some(lora) = &block.lora else { continue };
+            for target in Target::ALL {
+                let Some(l) = lora.get(target) else { continue };
+                let [r, inp] = l.a.dims();
+                let [out, _] = l.b.dims();
+                rank = r;
+                tensors.push(AdapterTensor {
+                    layer,
+                    target,
+                    rank: r,
+                    inp,
+                    out,
+                    a: host(l.a.val())?,
+                    b: host(l.b.val())?,
+                });
+            }
+        }
+        Ok(Adapter {
+            alpha,
+            rank,
+            dropout,
+            tensors,
+        })
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        let mut t: Vec<Target> = self.tensors.iter().map(|t| t.target).collect();
+        t.sort();
+        t.dedup();
+        t
+    }
+
+    /// `B` in the HF orientation (q/k rows un-permuted).
+    fn b_hf(&self, t: &AdapterTensor, heads: Heads) -> Vec<f32> {
+        match t.target {
+            Target::Q => permute_rows_to_hf(&t.b, heads.n_head, t.rank),
+            Target::K => permute_rows_to_hf(&t.b, heads.n_head_kv, t.rank),
+            _ => t.b.clone(),
+        }
+    }
+
+    /// The GGUF LoRA adapter file of this adapter for a base of architecture `llama`.
+    pub fn to_gguf(&self, name: &str) -> Result<GgufWriter<'static>, TrainError> {
+        let mut w = GgufWriter::new();
+        let set = |w: &mut GgufWriter<'static>, k: &str, v: Value| {
+            w.set(k, v)
+                .map_err(|e| TrainError::Config(format!("adapter metadata {k}: {e}")))
+        };
+        set(
+            &mut w,
+            "general.architecture",
+            Value::String("llama".into()),
+        )?;
+        set(&mut w, "general.type", Value::String("adapter".into()))?;
+        set(&mut w, "general.name", Value::String(name.into()))?;
+        set(&mut w, "adapter.type", Value::String("lora".into()))?;
+        set(&mut w, "adapter.lora.alpha", Value::F32(self.alpha))?;
+        for t in &self.tensors {
+            let stem = format!("blk.{}.{}.weight", t.layer, t.target.gguf_name());
+            let add = |w: &mut GgufWriter<'static>, suffix: &str, dims: [u64; 2], v: &[f32]| {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                w.add_tensor(format!("{stem}.{suffix}"), &dims, GgmlType::F32, bytes)
+                    .map_err(|e| TrainError::Config(format!("adapter tensor {stem}: {e}")))
+            };
+            add(&mut w, "lora_a", [t.inp as u64, t.rank as u64], &t.a)?;
+            add(&mut w, "lora_b", [t.rank as u64, t.out as u64], &t.b)?;
+        }
+        Ok(w)
+    }
+
+    /// PEFT's `adapter_config.json`.
+    pub fn peft_config(&self, base_name: &str) -> serde_json::Value {
+        let modules: Vec<String> = self
+            .targets()
+            .iter()
+            .map(|t| t.hf_module().rsplit('.').next().unwrap_or("").to_string())
+            .collect();
+        serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_name,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": modules,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "use_rslora": false,
+            "use_dora": false,
+            "revision": null,
+        })
+    }
+
+    /// PEFT's `adapter_model.safetensors` (F32, HF orientation).
+    pub fn peft_safetensors(&self, heads: Heads) -> Vec<u8> {
+        let mut entries: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        for t in &self.tensors {
+            let stem = format!(
+                "base_model.model.model.layers.{}.{}",
+                t.layer,
+                t.target.hf_module()
+            );
+            entries.push((
+                format!("{stem}.lora_A.weight"),
+                vec![t.rank, t.inp],
+                t.a.clone(),
+            ));
+            entries.push((
+                format!("{stem}.lora_B.weight"),
+                vec![t.out, t.rank],
+                self.b_hf(t, heads),
+            ));
+        }
+        safetensors_bytes(&entries)
+    }
+
+    /// Write `adapter_config.json`, `adapter_model.safetensors` and `adapter.gguf` into `dir`,
+    /// each atomically. Returns the bytes written.
+    pub fn write_all(
+        &self,
+        dir: &Path,
+        heads: Heads,
+        base_name: &str,
+        name: &str,
+    ) -> Result<u64, TrainError> {
+        let config = serde_json::to_vec_pretty(&self.peft_config(base_name))
+            .expect("adapter config serializes");
+        write_atomic(&dir.join("adapter_config.json"), &config)?;
+        let st = self.peft_safetensors(heads);
+        write_atomic(&dir.join("adapter_model.safetensors"), &st)?;
+        let gguf = self
+            .to_gguf(name)?
+            .write_atomic(dir.join("adapter.gguf"))
+            .map_err(|e| TrainError::Config(format!("cannot write adapter.gguf: {e}")))?;
+        Ok(config.len() as u64 + st.len() as u64 + gguf)
+    }
+
+    /// Read a GGUF LoRA adapter.
+    pub fn read_gguf(file: &GgufFile) -> Result<Self, TrainError> {
+        let bad = |what: String| TrainError::Config(what);
+        if file.get_str("general.type").ok().flatten() != Some("adapter")
+            || file.get_str("adapter.type").ok().flatten() != Some("lora")
+        {
+            return Err(bad(
+                "not a GGUF LoRA adapter (general.type = adapter, adapter.type = lora)".into(),
+            ));
+        }
+        let alpha = file
+            .get_f64("adapter.lora.alpha")
+            .ok()
+            .flatten()
+            .ok_or_else(|| bad("the adapter has no adapter.lora.alpha".into()))?
+            as f32;
+        let mut pairs: BTreeMap<(usize, Target), (Option<Vec<f32>>, Option<Vec<f32>>, [usize; 3])> =
+            BTreeMap::new();
+        for info in &file.tensors {
+            let name = &info.name;
+            let (stem, is_a) = if let Some(s) = name.strip_suffix(".weight.lora_a") {
+                (s, true)
+            } else if let Some(s) = name.strip_suffix(".weight.lora_b") {
+                (s, false)
+            } else {
+                continue;
+            };
+            let parsed = stem.strip_prefix("blk.").and_then(|rest| {
+                let (n, t) = rest.split_once('.')?;
+                let target = Target::ALL.into_iter().find(|x| x.gguf_name() == t)?;
+                Some((n.parse::<usize>().ok()?, target))
+            });
+            let Some(key) = parsed else {
+                return Err(bad(format!(
+                    "adapter tensor {name}: only blk.N.{{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down}} are supported"
+                )));
+            };
+            if info.dims.len() != 2 {
+                return Err(bad(format!("adapter tensor {name} is not a matrix")));
+            }
+            let values = tensor_to_f32(file, info)
+                .map_err(|e| bad(format!("adapter tensor {name}: {e}")))?;
+            let entry = pairs.entry(key).or_insert((None, None, [0; 3]));
+            let (d0, d1) = (info.dims[0] as usize, info.dims[1] as usize);
+            if is_a {
+                entry.0 = Some(values);
+                entry.2[0] = d1; // rank
+                entry.2[1] = d0; // in
+            } else {
+                entry.1 = Some(values);
+                entry.2[2] = d1; // out
+                if entry.2[0] != 0 && entry.2[0] != d0 {
+                    return Err(bad(format!(
+                        "adapter tensor {name}: rank differs from lora_a"
+                    )));
+                }
+            }
+        }
+        let mut tensors = Vec::new();
+        let mut rank = 0;
+        for ((layer, target), (a, b, [r, inp, out])) in pairs {
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(bad(format!(
+                    "adapter blk.{layer}.{} lacks lora_a or lora_b",
+                    target.gguf_name()
+                )));
+            };
+            if b.len() != out * r {
+                return Err(bad(format!(
+                    "adapter blk.{layer}.{}: lora_b does not match lora_a's rank",
+                    target.gguf_name()
+                )));
+            }
+            rank = r;
+            tensors.push(AdapterTensor {
+                layer,
+                target,
+                rank: r,
+                inp,
+                out,
+                a,
+                b,
+            });
+        }
+        if tensors.is_empty() {
+            return Err(bad("the adapter holds no lora_a/lora_b tensors".into()));
+        }
+        Ok(Adapter {
+            alpha,
+            rank,
+            dropout: 0.0,
+            tensors,
+        })
+    }
+
+    /// Read a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`),
+    /// bringing q/k rows into the GGUF orientation of a base with `heads`.
+    pub fn read_peft(dir: &Path, heads: Heads) -> Result<Self, TrainError> {
+        let read = |name: &str| {
+            let p = dir.join(name);
+            std::fs::read(&p).map_err(|source| TrainError::Io {
+                what: format!("cannot read {}", p.display()),
+                source,
+            })
+        };
+        let config: serde_json::Value = serde_json::from_slice(&read("adapter_config.json")?)
+            .map_err(|e| TrainError::Config(format!("adapter_config.json: {e}")))?;
+        if config["peft_type"] != "LORA" {
+            return Err(TrainError::Config(
+                "adapter_config.json: only peft_type LORA is supported".into(),
+            ));
+        }
+        if config["use_rslora"] == true || config["use_dora"] == true {
+            return Err(TrainError::Config(
+                "adapter_config.json: rsLoRA and DoRA adapters are not supported".into(),
+            ));
+        }
+        let alpha = config["lora_alpha"]
+            .as_f64()
+            .ok_or_else(|| TrainError::Config("adapter_config.json: no lora_alpha".into()))?
+            as f32;
+        let tensors = read_safetensors(&read("adapter_model.safetensors")?)?;
+        let mut out = Vec::new();
+        let mut rank = 0;
+        for (name, (shape, a)) in &tensors {
+            let Some(stem) = name.strip_suffix(".lora_A.weight") else {
+                continue;
+            };
+            let parsed = stem
+                .strip_prefix("base_model.model.model.layers.")
+                .and_then(|rest| {
+                    let (n, module) = rest.split_once('.')?;
+                    let target = Target::ALL.into_iter().find(|t| t.hf_module() == module)?;
+                    Some((n.parse::<usize>().ok()?, target))
+                })
+                .ok_or_else(|| TrainError::Config(format!("unsupported PEFT tensor {name}")))?;
+            let (bshape, b) = tensors
+                .get(&format!("{stem}.lora_B.weight"))
+                .ok_or_else(|| {
+                    TrainError::Config(format!("PEFT adapter lacks {stem}.lora_B.weight"))
+                })?;
+            let (r, inp, o) = (shape[0], shape[1], bshape[0]);
+            let b = match parsed.1 {
+                Target::Q => permute_rows_to_gguf(b, heads.n_head, r),
+                Target::K => permute_rows_to_gguf(b, heads.n_head_kv, r),
+                _ => b.clone(),
+            };
+            rank = r;
+            out.push(AdapterTensor {
+                layer: parsed.0,
+                target: parsed.1,
+                rank: r,
+                inp,
+                out: o,
+                a: a.clone(),
+                b,
+            });
+        }
+        out.sort_by_key(|t| (t.layer, t.target));
+        Ok(Adapter {
+            alpha,
+            rank,
+            dropout: 0.0,
+            tensors: out,
+        })
+    }
+}
+
+/// A safetensors file of F32 tensors (`{"__metadata__": {"format": "pt"}}` as torch writes).
+fn safetensors_bytes(entries: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+    let mut offset = 0usize;
+    for (name, shape, values) in entries {
+        let end = offset + values.len() * 4;
+        header.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut json = serde_json::to_vec(&serde_json::Value::Object(header)).expect("serializes");
+    // The header is padded with spaces to a multiple of 8 bytes (the data stays aligned).
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + json.len() + offset);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for (_, _, values) in entries {
+        out.extend(values.iter().flat_map(|x| x.to_le_bytes()));
+    }
+    out
+}
+
+type HostTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// The F32/F16/BF16 tensors of a safetensors file, as f32.
+fn read_safetensors(bytes: &[u8]) -> Result<HostTensors, TrainError> {
+    let bad = |what: &str| TrainError::Config(format!("adapter_model.safetensors: {what}"));
+    if bytes.len() < 8 {
+        return Err(bad("truncated"));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = bytes
+        .get(8..8 + n)
+        .and_then(|h| serde_json::from_slice(h).ok())
+        .ok_or_else(|| bad("bad header"))?;
+    let data = &bytes[8 + n..];
+    let mut out = BTreeMap::new();
+    for (name, entry) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let shape: Vec<usize> =
+            serde_json::from_value(entry["shape"].clone()).map_err(|_| bad("bad shape"))?;
+        let offsets: [usize; 2] = serde_json::from_value(entry["data_offsets"].clone())
+            .map_err(|_| bad("bad data_offsets"))?;
+        let raw = data
+            .get(offsets[0]..offsets[1])
+            .ok_or_else(|| bad("data out of bounds"))?;
+        let values: Vec<f32> = match entry["dtype"].as_str() {
+            Some("F32") => raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect(),
+            Some("F16") => raw
+                .chunks_exact(2)
+                .map(|c| half_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            Some("BF16") => raw
+                .chunks_exact(2)
+                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                .collect(),
+            _ => return Err(bad("only F32, F16 and BF16 tensors are supported")),
+        };
+        out.insert(name, (shape, values));
+    }
+    Ok(out)
+}
+
+fn half_to_f32(h: u16) -> f32 {
+    burn::tensor::f16::from_bits(h).to_f32()
+}
+
+/// The type of a merged model's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MergeType {
+    F32,
+    Q8_0,
+}
+
+/// The base GGUF with every adapted weight replaced by `W + (alpha/r)·B·A` (computed in f32 on
+/// the host). With `MergeType::F32` every tensor is written as F32; with `Q8_0` every 2-D weight
+/// whose rows are a multiple of 32 is re-quantized to Q8_0 (as llama.cpp's `q8_0` file type;
+/// norms stay F32). Other metadata is copied.
+pub fn merge(
+    base: &GgufFile,
+    adapter: &Adapter,
+    ty: MergeType,
+) -> Result<GgufWriter<'static>, TrainError> {
+    let bad = |what: String| TrainError::Config(what);
+    let mut w = GgufWriter::new();
+    for (k, v) in &base.metadata {
+        w.set(k.clone(), v.clone())
+            .map_err(|e| bad(format!("metadata {k}: {e}")))?;
+    }
+    let file_type = match ty {
+        MergeType::F32 => 0u32,
+        MergeType::Q8_0 => 7,
+    };
+    w.set("general.file_type", Value::U32(file_type))
+        .map_err(|e| bad(format!("general.file_type: {e}")))?;
+    let mut by_name: BTreeMap<String, &AdapterTensor> = BTreeMap::new();
+    for t in &adapter.tensors {
+        by_name.insert(
+            format!("blk.{}.{}.weight", t.layer, t.target.gguf_name()),
+            t,
+        );
+    }
+    let scale = adapter.alpha / adapter.rank.max(1) as f32;
+    for info in &base.tensors {
+        let mut values =
+            tensor_to_f32(base, info).map_err(|e| bad(format!("tensor {}: {e}", info.name)))?;
+        if let Some(t) = by_name.remove(&info.name) {
+            if info.dims != [t.inp as u64, t.out as u64] {
+                return Err(bad(format!(
+                    "adapter for {} is [{}, {}] (in, out), the base tensor has dims {:?}: wrong base model?",
+                    info.name, t.inp, t.out, info.dims
+                )));
+            }
+            add_scaled_product(&mut values, &t.b, &t.a, t.out, t.rank, t.inp, scale);
+        }
+        let quantize_it = ty == MergeType::Q8_0 && info.dims.len() == 2 && info.dims[0] % 32 == 0;
+        let (gtype, bytes) = if quantize_it {
+            let q = quantize(GgmlType::Q8_0, &values)
+                .map_err(|e| bad(format!("tensor {}: {e}", info.name)))?;
+            (GgmlType::Q8_0, q)
+        } else {
+            (
+                GgmlType::F32,
+                values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        };
+        w.add_tensor(info.name.clone(), &info.dims, gtype, bytes)
+            .map_err(|e| bad(format!("tensor {}: {e}", info.name)))?;
+    }
+    if let Some(name) = by_name.keys().next() {
+        return Err(bad(format!(
+            "the adapter has {name}, which the base model lacks: wrong base model?"
+        )));
+    }
+    Ok(w)
+}
+
+/// `w[out, inp] += scale · b[out, r] · a[r, inp]` (f32, row-major).
+fn add_scaled_product(
+    w: &mut [f32],
+    b: &[f32],
+    a: &[f32],
+    out: usize,
+    r: usize,
+    inp: usize,
+    scale: f32,
+) {
+    for o in 0..out {
+        let row = &mut w[o * inp..(o + 1) * inp];
+        let mut acc = vec![0f32; inp];
+        for k in 0..r {
+            let bk = b[o * r + k];
+            for (x, &ak) in acc.iter_mut().zip(&a[k * inp..(k + 1) * inp]) {
+                *x += bk * ak;
+            }
+        }
+        for (x, d) in row.iter_mut().zip(acc) {
+            *x += scale * d;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn safetensors_round_trip() {
+        let entries = vec![
+            (
+                "x.lora_A.weight".to_string(),
+                vec![2, 3],
+                vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            ),
+            ("x.lora_B.weight".to_string(), vec![1, 2], vec![-1.0, 0.5]),
+        ];
+        let bytes = safetensors_bytes(&entries);
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0);
+        let back = read_safetensors(&bytes).unwrap();
+        assert_eq!(back["x.lora_A.weight"], (vec![2, 3], entries[0].2.clone()));
+        assert_eq!(back["x.lora_B.weight"], (vec![1, 2], entries[1].2.clone()));
+    }
+
+    #[test]
+    fn scaled_product_adds_b_times_a() {
+        let mut w = vec![1.0; 4]; // [2, 2]
+        let b = vec![1.0, 2.0]; // [2, 1]
+        let a = vec![3.0, 4.0]; // [1, 2]
+        add_scaled_product(&mut w, &b, &a, 2, 1, 2, 0.5);
+        assert_eq!(w, vec![2.5, 3.0, 4.0, 5.0]);
+    }
+}
