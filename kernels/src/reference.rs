@@ -6,8 +6,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{
-    Bool, ElementConversion, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive,
-    activation,
+    Bool, ElementConversion, FloatDType, Int, Shape, Tensor, TensorData, TensorMetadata,
+    TensorPrimitive, activation,
 };
 
 use crate::quant::BLOCK;
@@ -32,7 +32,10 @@ pub fn dequant_q8_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) 
     let k = kw * 4;
     let bytes: Vec<_> = (0..4).map(|b| word_byte(&words, b)).collect();
     // Byte b of word j is element 4j + b.
-    let u = Tensor::stack::<3>(bytes, 2).reshape([n, k]).float();
+    let u = Tensor::stack::<3>(bytes, 2)
+        .reshape([n, k])
+        .float()
+        .cast(scales.dtype());
     let q = u.clone() - u.greater_equal_elem(128.0).float().mul_scalar(256.0); // i8 sign
     (q.reshape([n, k / BLOCK, BLOCK]) * scales.unsqueeze_dim::<3>(2)).reshape([n, k])
 }
@@ -63,7 +66,7 @@ fn q4_nibbles<B: Backend>(words: Tensor<B, 2, Int>) -> Tensor<B, 3> {
 /// Dequantize a packed Q4_0 weight (`words[n, k/8]`, `scales[n, k/32]`) to `[n, k]`.
 pub fn dequant_q4_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) -> Tensor<B, 2> {
     let [n, kw] = words.dims();
-    let q = q4_nibbles(words).sub_scalar(8.0);
+    let q = q4_nibbles(words).cast(scales.dtype()).sub_scalar(8.0);
     (q * scales.unsqueeze_dim::<3>(2)).reshape([n, kw * 8])
 }
 
@@ -74,8 +77,15 @@ pub fn dequant_q4_1<B: Backend>(
     mins: Tensor<B, 2>,
 ) -> Tensor<B, 2> {
     let [n, kw] = words.dims();
-    let q = q4_nibbles(words);
+    let q = q4_nibbles(words).cast(scales.dtype());
     (q * scales.unsqueeze_dim::<3>(2) + mins.unsqueeze_dim::<3>(2)).reshape([n, kw * 8])
+}
+
+/// `x · wᵀ` in the activations' float type (the dequantized weights are f32, like the packed
+/// scales; with `--dtype f16` the activations are f16).
+fn matmul_transposed<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> FloatTensor<B> {
+    let w = w.cast(x.dtype());
+    x.matmul(w.transpose()).into_primitive().tensor()
 }
 
 pub fn q8_0_matmul<B: Backend>(
@@ -84,10 +94,7 @@ pub fn q8_0_matmul<B: Backend>(
     scales: FloatTensor<B>,
 ) -> FloatTensor<B> {
     let w = dequant_q8_0::<B>(Tensor::from_primitive(words), float(scales));
-    float::<B, 2>(x)
-        .matmul(w.transpose())
-        .into_primitive()
-        .tensor()
+    matmul_transposed(float(x), w)
 }
 
 pub fn q4_0_matmul<B: Backend>(
@@ -96,10 +103,7 @@ pub fn q4_0_matmul<B: Backend>(
     scales: FloatTensor<B>,
 ) -> FloatTensor<B> {
     let w = dequant_q4_0::<B>(Tensor::from_primitive(words), float(scales));
-    float::<B, 2>(x)
-        .matmul(w.transpose())
-        .into_primitive()
-        .tensor()
+    matmul_transposed(float(x), w)
 }
 
 pub fn q4_1_matmul<B: Backend>(
@@ -109,10 +113,7 @@ pub fn q4_1_matmul<B: Backend>(
     mins: FloatTensor<B>,
 ) -> FloatTensor<B> {
     let w = dequant_q4_1::<B>(Tensor::from_primitive(words), float(scales), float(mins));
-    float::<B, 2>(x)
-        .matmul(w.transpose())
-        .into_primitive()
-        .tensor()
+    matmul_transposed(float(x), w)
 }
 
 pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32) -> FloatTensor<B> {
@@ -122,14 +123,19 @@ pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32)
         x,
         Shape::new([shape.num_elements() / d, d]),
     ));
-    let scale = x
+    // The mean of squares in f32 whatever the activation type: squares of f16 activations
+    // overflow past 256 (as HF's LlamaRMSNorm, which upcasts too).
+    let dtype = x.dtype();
+    let x32 = x.cast(FloatDType::F32);
+    let scale = x32
         .clone()
         .square()
         .mean_dim(1)
         .add_scalar(eps)
         .sqrt()
         .recip();
-    let y = x * scale * float::<B, 1>(weight).unsqueeze::<2>();
+    let weight = float::<B, 1>(weight).cast(FloatDType::F32);
+    let y = (x32 * scale * weight.unsqueeze::<2>()).cast(dtype);
     B::float_reshape(y.into_primitive().tensor(), shape)
 }
 
@@ -148,11 +154,12 @@ pub fn rope<B: Backend>(
 ) -> FloatTensor<B> {
     let x: Tensor<B, 4> = float(x);
     let [b, h, t, d] = x.dims();
-    let cos: Tensor<B, 2> = float(cos);
+    // The tables are f32; the rotation runs in the activations' type.
+    let cos = float::<B, 2>(cos).cast(x.dtype());
     let half = cos.dims()[1];
     let rot = 2 * half;
     let cos = cos.reshape([1, 1, t, half]);
-    let sin = float::<B, 2>(sin).reshape([1, 1, t, half]);
+    let sin = float::<B, 2>(sin).cast(x.dtype()).reshape([1, 1, t, half]);
 
     let x_rot = x.clone().narrow(3, 0, rot);
     let (x0, x1) = match layout {

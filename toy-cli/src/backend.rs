@@ -33,6 +33,48 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// `--dtype`: the float type of weights and activations on GPU backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FloatKind {
+    /// 32-bit floats everywhere (the only type of the CPU backends and of training).
+    F32,
+    /// 16-bit floats for weights and activations on wgpu/cuda, where the device supports them;
+    /// quantized weights stay packed, and the kernels accumulate in f32.
+    F16,
+}
+
+/// The float type chosen on the command line, set once by `main` before any backend starts.
+static FLOAT_KIND: std::sync::OnceLock<FloatKind> = std::sync::OnceLock::new();
+
+/// Record `--dtype` for every later [`dispatch`].
+pub fn set_float_kind(kind: FloatKind) {
+    FLOAT_KIND
+        .set(kind)
+        .expect("set_float_kind is called once, by main");
+}
+
+fn float_kind() -> FloatKind {
+    FLOAT_KIND.get().copied().unwrap_or(FloatKind::F32)
+}
+
+/// Make `device` create f16 float tensors when `--dtype f16` was given, before any tensor exists
+/// on it (burn's per-device dtype policy: every `from_data`/`zeros` without an explicit dtype
+/// then gives f16, so the model code stays the same).
+fn apply_float_kind<B: ToyBackend>(device: &B::Device, backend: &str) -> Result<()> {
+    use burn::tensor::{DType, Element, FloatDType, set_default_dtypes};
+    if float_kind() == FloatKind::F32 {
+        return Ok(());
+    }
+    if !B::supports_dtype(device, DType::F16) {
+        bail!(
+            "--dtype f16: this {backend} device has no f16 arithmetic (for wgpu it needs the \
+             SHADER_F16 feature); use --dtype f32"
+        );
+    }
+    set_default_dtypes::<B>(device, FloatDType::F16, <B::IntElem as Element>::dtype())
+        .map_err(|e| anyhow::anyhow!("--dtype f16: {e:?}"))
+}
+
 /// A command body that can run on any backend.
 pub trait BackendJob {
     type Output;
@@ -40,6 +82,12 @@ pub trait BackendJob {
 }
 
 pub fn dispatch<J: BackendJob>(kind: BackendKind, job: J) -> Result<J::Output> {
+    if float_kind() == FloatKind::F16 && matches!(kind, BackendKind::Cpu | BackendKind::Ndarray) {
+        bail!(
+            "--dtype f16 is for the GPU backends (wgpu, metal, cuda); --backend {} computes in f32",
+            kind.name()
+        );
+    }
     match kind {
         BackendKind::Cpu => job.run::<Flex>(Default::default()),
         BackendKind::Ndarray => job.run::<NdArray>(Default::default()),
@@ -64,6 +112,7 @@ impl BackendKind {
 #[cfg(feature = "wgpu")]
 fn wgpu_dispatch<J: BackendJob>(job: J, metal: bool) -> Result<J::Output> {
     let device = wgpu_device(metal)?;
+    apply_float_kind::<Wgpu>(&device, if metal { "metal" } else { "wgpu" })?;
     job.run::<Wgpu>(device)
 }
 
@@ -75,7 +124,9 @@ fn wgpu_dispatch<J: BackendJob>(_job: J, _metal: bool) -> Result<J::Output> {
 #[cfg(feature = "cuda")]
 fn cuda_dispatch<J: BackendJob>(job: J) -> Result<J::Output> {
     cuda_probe()?;
-    job.run::<Cuda>(Default::default())
+    let device = Default::default();
+    apply_float_kind::<Cuda>(&device, "cuda")?;
+    job.run::<Cuda>(device)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -9,6 +9,7 @@ mod convert;
 mod describe;
 mod eval;
 mod infer;
+mod merge;
 mod runs;
 mod serve;
 mod tokenize;
@@ -18,7 +19,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::backend::BackendKind;
+use crate::backend::{BackendKind, FloatKind};
 
 /// Run transformer language models from GGUF files — token-exact with llama.cpp — on the CPU or
 /// any GPU (Vulkan/Metal/DX12 through wgpu, NVIDIA through CUDA).
@@ -27,6 +28,7 @@ use crate::backend::BackendKind;
 ///   toy infer model.gguf -p "The capital of France is" -n 32
 ///   toy infer model.gguf --chat -p "Write a haiku about Rust"
 ///   toy --backend wgpu infer model.gguf -p "Once upon a time"
+///   toy --backend cuda --dtype f16 infer model.gguf -p "Once upon a time"
 ///   toy tokenize model.gguf "Hello world"
 ///   toy describe model.gguf
 ///   toy convert model.Q4_1.gguf model.Q8_0.gguf --to q8_0
@@ -47,6 +49,18 @@ struct Cli {
         value_enum
     )]
     backend: BackendKind,
+
+    /// Float type of weights and activations on the GPU backends: `f32`, or `f16` (half the
+    /// memory and bandwidth; quantized weights stay packed, kernels accumulate in f32).
+    /// Inference, eval, bench and serve only: training and the CPU backends use f32.
+    #[arg(
+        long,
+        global = true,
+        env = "TOY_DTYPE",
+        default_value = "f32",
+        value_enum
+    )]
+    dtype: FloatKind,
 
     #[command(subcommand)]
     command: Command,
@@ -69,6 +83,8 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Mean cross-entropy and perplexity of a model on a text file.
     Eval(eval::EvalArgs),
+    /// Fold a LoRA adapter (GGUF or PEFT) into its base model, writing a standard GGUF.
+    Merge(merge::MergeArgs),
     /// List training runs with their losses (`toy runs plot RUN…` draws their loss curves).
     Runs(runs::RunsArgs),
     /// Serve a model over HTTP with OpenAI's API (chat, completions, embeddings) and a chat page.
@@ -81,6 +97,14 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("TOY_LOG"))
         .init();
+    backend::set_float_kind(cli.dtype);
+    if cli.dtype == FloatKind::F16 && matches!(cli.command, Command::Train(_)) {
+        eprintln!(
+            "error: --dtype f16 is for inference (infer, eval, bench, serve); training keeps f32 \
+             weights, gradients and optimizer state"
+        );
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Infer(args) => infer::run(cli.backend, args),
         Command::Tokenize(args) => tokenize::run(args),
@@ -89,6 +113,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(cli.backend, args),
         Command::Train(args) => train::run(cli.backend, *args),
         Command::Eval(args) => eval::run(cli.backend, args),
+        Command::Merge(args) => merge::run(args),
         Command::Runs(args) => runs::run(args),
         Command::Serve(args) => serve::run(cli.backend, args),
     };

@@ -14,8 +14,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use toy_kernels::ToyBackend;
+use toy_train::config::{Arch, LoraSettings, OptimConfig};
 use toy_train::events::{Event, Record};
-use toy_train::{DataConfig, Preset, RunDir, RunInfo, TrainConfig, TrainSetup, train};
+use toy_train::{DataConfig, Preset, Recipe, RunDir, RunInfo, TrainConfig, TrainSetup, train};
 
 use crate::backend::{BackendJob, BackendKind, dispatch};
 
@@ -29,11 +30,30 @@ pub struct TrainArgs {
     /// everything; other training flags are refused).
     #[arg(long, value_name = "RUN_DIR")]
     pub resume: Option<PathBuf>,
+    /// How the starting weights are made: from-scratch (drawn from --seed), or warm-start (a new
+    /// model whose token embeddings start from --donor's, through a trained projection when the
+    /// widths differ; the tokenizer is the donor's).
+    #[arg(long, default_value = "from-scratch", value_parser = parse_recipe)]
+    pub recipe: String,
+    /// The GGUF whose token embeddings (and tokenizer) a warm start takes.
+    #[arg(long, value_name = "GGUF")]
+    pub donor: Option<PathBuf>,
+    /// The base model of --recipe lora (adapters over the base, frozen, in f32), qlora (the same
+    /// with the base kept quantized: Q8_0/Q4_0/Q4_1) or full (every weight of the base trained,
+    /// in f32). Its tokenizer is the run's.
+    #[arg(long, value_name = "GGUF")]
+    pub base: Option<PathBuf>,
     /// Model shape and optimizer settings to start from: tiny (~1 minute on 2 CPU cores) or
     /// small.
     #[arg(long, default_value = "tiny", value_parser = parse_preset)]
     pub preset: Preset,
-    /// Training text files (UTF-8; default: the bundled corpus of short stories).
+    /// Architecture of the new model: llama, or gpt2 (learned positions, LayerNorm, GELU MLP,
+    /// as many kv heads as heads, MLP of 4 × d_model unless --ffn is given) [default: llama].
+    #[arg(long, value_parser = parse_arch)]
+    pub arch: Option<Arch>,
+    /// Training data files: UTF-8 text, or pre-tokenized little-endian u32 ids (`*.u32`,
+    /// `*.bin`; every id below the tokenizer's vocabulary); default: the bundled corpus of short
+    /// stories.
     #[arg(long, value_name = "FILE", num_args = 1..)]
     pub data: Vec<PathBuf>,
     /// GGUF whose tokenizer to use (a model or a tokenizer-only file; default: the bundled one).
@@ -115,6 +135,47 @@ pub struct TrainArgs {
     /// Prompt of the samples.
     #[arg(long, help_heading = "Cadence")]
     pub prompt: Option<String>,
+
+    /// Rank r of the adapters [default: 8].
+    #[arg(long, help_heading = "LoRA (--recipe lora|qlora)")]
+    pub lora_rank: Option<usize>,
+    /// Adapter outputs are scaled by alpha / r [default: 16].
+    #[arg(long, help_heading = "LoRA (--recipe lora|qlora)")]
+    pub lora_alpha: Option<f32>,
+    /// Dropout on each adapter's input during training [default: 0].
+    #[arg(long, help_heading = "LoRA (--recipe lora|qlora)")]
+    pub lora_dropout: Option<f32>,
+    /// Projections that get adapters, comma-separated among q,k,v,o,gate,up,down [default: q,v].
+    #[arg(
+        long,
+        value_delimiter = ',',
+        help_heading = "LoRA (--recipe lora|qlora)"
+    )]
+    pub lora_targets: Option<Vec<String>>,
+}
+
+fn parse_arch(s: &str) -> Result<Arch, String> {
+    Arch::from_name(s).ok_or_else(|| {
+        let names: Vec<_> = Arch::ALL.iter().map(|a| a.name()).collect();
+        format!(
+            "unknown architecture {s:?} (available: {})",
+            names.join(", ")
+        )
+    })
+}
+
+/// The recipes `toy train` builds.
+const RECIPES: [&str; 5] = ["from-scratch", "warm-start", "lora", "qlora", "full"];
+
+fn parse_recipe(s: &str) -> Result<String, String> {
+    if RECIPES.contains(&s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "unknown recipe {s:?} (available: {})",
+            RECIPES.join(", ")
+        ))
+    }
 }
 
 fn parse_preset(s: &str) -> Result<Preset, String> {
@@ -128,6 +189,9 @@ impl TrainArgs {
     /// Whether any flag that shapes a new run was given (refused with --resume).
     fn shapes_a_run(&self) -> bool {
         !self.data.is_empty()
+            || self.recipe != "from-scratch"
+            || self.donor.is_some()
+            || self.arch.is_some()
             || self.tokenizer.is_some()
             || self.run_id.is_some()
             || self.layers.is_some()
@@ -150,11 +214,75 @@ impl TrainArgs {
             || self.sample_every.is_some()
             || self.checkpoint_every.is_some()
             || self.prompt.is_some()
+            || self.base.is_some()
+            || self.has_lora_flags()
+    }
+
+    fn has_lora_flags(&self) -> bool {
+        self.lora_rank.is_some()
+            || self.lora_alpha.is_some()
+            || self.lora_dropout.is_some()
+            || self.lora_targets.is_some()
+    }
+
+    /// The adapters of --recipe lora/qlora: the defaults, then the flags.
+    fn lora_settings(&self) -> LoraSettings {
+        let mut a = LoraSettings::default();
+        set(&mut a.rank, self.lora_rank);
+        set(&mut a.alpha, self.lora_alpha);
+        set(&mut a.dropout, self.lora_dropout);
+        set(&mut a.targets, self.lora_targets.clone());
+        a
+    }
+
+    /// Refuse flags that a fine-tuning recipe decides from its base.
+    fn check_fine_tuning_flags(&self) -> Result<()> {
+        if self.layers.is_some()
+            || self.d_model.is_some()
+            || self.heads.is_some()
+            || self.kv_heads.is_some()
+            || self.ffn.is_some()
+            || self.context.is_some()
+            || self.arch.is_some()
+        {
+            bail!(
+                "--recipe {} takes the model's shape from --base; drop the model flags",
+                self.recipe
+            );
+        }
+        if self.tokenizer.is_some() {
+            bail!(
+                "--recipe {} uses the tokenizer of --base; drop --tokenizer",
+                self.recipe
+            );
+        }
+        Ok(())
     }
 
     /// The config of a new run: the preset, then every override.
-    fn config(&self, data: DataConfig) -> TrainConfig {
+    fn config(&self, recipe: Recipe, data: DataConfig) -> TrainConfig {
         let mut c = TrainConfig::from_preset(self.preset, data, self.seed);
+        if let Some(base) = recipe.base() {
+            // Fine-tuning: the base's shape and tokenizer, a short and gentle schedule.
+            c.data.tokenizer = base.to_path_buf();
+            c.preset = None;
+            let full = matches!(recipe, Recipe::Full { .. });
+            c.optim = OptimConfig {
+                steps: 100,
+                batch_size: 4,
+                grad_accum: 1,
+                seq_len: 128,
+                lr: if full { 5e-5 } else { 2e-4 },
+                min_lr: if full { 5e-6 } else { 2e-5 },
+                warmup_steps: 10,
+                weight_decay: 0.0,
+                ..OptimConfig::default()
+            };
+            c.cadence.eval_every = 25;
+            c.cadence.checkpoint_every = 25;
+        }
+        c.recipe = recipe;
+        c.model = c.model.clone().with_arch(self.arch.unwrap_or_default());
         let m = &mut c.model;
         set(&mut m.n_layer, self.layers);
         set(&mut m.d_model, self.d_model);
@@ -254,13 +382,53 @@ fn new_run(args: &TrainArgs) -> Result<(RunDir, TrainConfig)> {
             .with_context(|| format!("cannot resolve {}", path.display()))
     };
     let data_files = args.data.iter().map(absolute).collect::<Result<Vec<_>>>()?;
-    let tokenizer_file = args.tokenizer.as_ref().map(absolute).transpose()?;
+    let mut tokenizer_file = args.tokenizer.as_ref().map(absolute).transpose()?;
+    let recipe = match (args.recipe.as_str(), &args.donor) {
+        ("warm-start", Some(donor)) => {
+            let donor = absolute(donor)?;
+            // The vocabulary is the donor's (a --tokenizer with another is refused later).
+            tokenizer_file.get_or_insert_with(|| donor.clone());
+            Recipe::WarmStart { donor }
+        }
+        ("warm-start", None) => bail!("--recipe warm-start needs --donor GGUF"),
+        (_, Some(_)) => bail!("--donor is for --recipe warm-start"),
+        ("lora" | "qlora" | "full", None) => {
+            let base = args
+                .base
+                .as_ref()
+                .with_context(|| format!("--recipe {} needs --base GGUF", args.recipe))?;
+            args.check_fine_tuning_flags()?;
+            let base = absolute(base)?;
+            tokenizer_file = Some(base.clone());
+            match args.recipe.as_str() {
+                "lora" => Recipe::Lora {
+                    base,
+                    adapter: args.lora_settings(),
+                },
+                "qlora" => Recipe::Qlora {
+                    base,
+                    adapter: args.lora_settings(),
+                },
+                _ => Recipe::Full { base },
+            }
+        }
+        _ => Recipe::FromScratch,
+    };
+    if args.base.is_some() && recipe.base().is_none() {
+        bail!("--base is for --recipe lora, qlora or full");
+    }
+    if args.has_lora_flags() && recipe.adapter().is_none() {
+        bail!("--lora-* flags are for --recipe lora or qlora");
+    }
     // Refuse a bad shape or schedule before creating anything on disk.
-    args.config(DataConfig {
-        files: vec![PathBuf::from("(checked later)")],
-        tokenizer: PathBuf::new(),
-        val_fraction: 0.05,
-    })
+    args.config(
+        recipe.clone(),
+        DataConfig {
+            files: vec![PathBuf::from("(checked later)")],
+            tokenizer: PathBuf::new(),
+            val_fraction: 0.05,
+        },
+    )
     .check()?;
     let run = RunDir::create(&args.runs_dir, &id)?;
     let bundled = run
@@ -289,7 +457,7 @@ fn new_run(args: &TrainArgs) -> Result<(RunDir, TrainConfig)> {
         tokenizer,
         val_fraction: 0.05,
     };
-    Ok((run, args.config(data)))
+    Ok((run, args.config(recipe, data)))
 }
 
 struct TrainJob {
@@ -359,12 +527,24 @@ impl BackendJob for TrainJob {
                 bar.set_position(resumed_from_step.unwrap_or(0) as u64);
                 bar.reset_eta();
                 let c = &setup.config;
+                let shape = match (&setup.base, c.recipe.base()) {
+                    (Some(b), Some(path)) => format!(
+                        "base {} ({} layers × d {})",
+                        path.display(),
+                        b.config.n_layer,
+                        b.config.d_model
+                    ),
+                    _ => format!(
+                        "{} {} layers × d {}",
+                        c.model.arch.name(),
+                        c.model.n_layer,
+                        c.model.d_model
+                    ),
+                };
                 say(format!(
-                    "{} | {} params, vocab {vocab_size}, {} layers × d {} | {data_tokens} tokens, {train_sequences} sequences of {} | {} steps × {} tokens{}",
+                    "{} | {} params, vocab {vocab_size}, {shape} | {data_tokens} tokens, {train_sequences} sequences of {} | {} steps × {} tokens{}",
                     c.recipe,
                     human(*n_params as f64),
-                    c.model.n_layer,
-                    c.model.d_model,
                     c.optim.seq_len,
                     c.optim.steps,
                     c.optim.tokens_per_step(),
@@ -436,13 +616,22 @@ impl BackendJob for TrainJob {
             summary.elapsed_s,
             summary.final_loss.unwrap_or(f64::NAN),
         )?;
-        writeln!(
-            out,
-            "model: {}\n  try: toy infer {} -p \"{}\"",
-            summary.model_path.display(),
-            summary.model_path.display(),
-            setup.config.cadence.sample_prompt
-        )?;
+        match setup.config.recipe.base() {
+            Some(base) if setup.config.recipe.adapter().is_some() => writeln!(
+                out,
+                "adapter: {} (and adapter_model.safetensors + adapter_config.json beside it)\n  try: toy merge {} {} merged.gguf",
+                summary.model_path.display(),
+                base.display(),
+                summary.model_path.display(),
+            )?,
+            _ => writeln!(
+                out,
+                "model: {}\n  try: toy infer {} -p \"{}\"",
+                summary.model_path.display(),
+                summary.model_path.display(),
+                setup.config.cadence.sample_prompt
+            )?,
+        }
         Ok(())
     }
 }

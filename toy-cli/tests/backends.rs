@@ -40,8 +40,8 @@ fn ids(v: &Value) -> Vec<u64> {
         .collect()
 }
 
-/// `toy --backend B infer` greedy on SmolLM2 Q8_0 for 16 tokens: llama.cpp's ids.
-fn infer_matches_llama_cpp(backend: &str) {
+/// `toy --backend B --dtype D infer` greedy on SmolLM2 Q8_0 for 16 tokens: llama.cpp's ids.
+fn infer_matches_llama_cpp(backend: &str, dtype: &str) {
     let oracle: Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("fixtures/smollm2/greedy.json")).unwrap(),
     )
@@ -52,6 +52,8 @@ fn infer_matches_llama_cpp(backend: &str) {
         &[
             "--backend",
             backend,
+            "--dtype",
+            dtype,
             "infer",
             model.to_str().unwrap(),
             "-p",
@@ -71,13 +73,34 @@ fn infer_matches_llama_cpp(backend: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
-    assert_eq!(ids(&v["ids"]), ids(&case["gen_ids"])[..16], "{backend}");
+    assert_eq!(
+        ids(&v["ids"]),
+        ids(&case["gen_ids"])[..16],
+        "{backend} {dtype}"
+    );
     assert!(v["text"].as_str().unwrap().starts_with(" Paris."));
 }
 
 #[test]
 fn wgpu_infer_matches_llama_cpp() {
-    infer_matches_llama_cpp("wgpu");
+    infer_matches_llama_cpp("wgpu", "f32");
+}
+
+/// f16 weights and activations: on this prompt llama.cpp's margins are wide enough for f16's
+/// deviation (toy-models/tests/wgpu_f16.rs measures it), so the ids are still llama.cpp's.
+#[test]
+fn wgpu_f16_infer_matches_llama_cpp() {
+    infer_matches_llama_cpp("wgpu", "f16");
+}
+
+#[test]
+fn f16_where_it_does_not_apply_is_a_clean_error() {
+    let model = smollm2("Q8_0");
+    let model = model.to_str().unwrap();
+    let infer = ["--dtype", "f16", "infer", model, "-p", "hi", "-n", "1"];
+    assert_clean_error(&toy_env(&infer, &[]), "--dtype f16 is for the GPU backends");
+    let train = ["--dtype", "f16", "train", "--steps", "1"];
+    assert_clean_error(&toy_env(&train, &[]), "training keeps f32");
 }
 
 #[test]
@@ -156,7 +179,7 @@ fn cuda_runs_or_says_what_is_missing() {
     .iter()
     .any(|dir| std::path::Path::new(dir).join("libcuda.so.1").exists());
     if has_driver {
-        infer_matches_llama_cpp("cuda");
+        infer_matches_llama_cpp("cuda", "f32");
     } else {
         let model = smollm2("Q8_0");
         let out = toy_env(

@@ -66,6 +66,7 @@ pub struct GenerateOptions {
 fn host_logits<B: ToyBackend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, GenerateError> {
     logits
         .into_data()
+        .convert::<f32>() // f16 activations (`--dtype f16`)
         .into_vec::<f32>()
         .map_err(|e| GenerateError::Backend(format!("{e:?}")))
 }

@@ -11,7 +11,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive, activation};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive, activation};
 use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
@@ -447,19 +447,22 @@ impl<B: ToyBackend> Transformer<B> {
         let (cos, sin) = self.rope.cos_sin(past as i64..(past + t) as i64);
         let half = cos.len() / t;
         let step = Step {
-            cos: Tensor::from_data(TensorData::new(cos, [t, half]), &device),
-            sin: Tensor::from_data(TensorData::new(sin, [t, half]), &device),
+            // f32 tables whatever the activation type: the angles need the precision.
+            cos: Tensor::from_data(TensorData::new(cos, [t, half]), (&device, DType::F32)),
+            sin: Tensor::from_data(TensorData::new(sin, [t, half]), (&device, DType::F32)),
             past,
         };
-        let mut x = self.token_embd.forward(tokens);
-        if let Some(s) = self.embed_scale {
-            x = x.mul_scalar(s);
-        }
-        for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward(x, i, cache, &step, self);
-        }
-        cache.advance(t);
-        rms_norm(&self.output_norm, x)
+        B::run_pass(|| {
+            let mut x = self.token_embd.forward(tokens);
+            if let Some(s) = self.embed_scale {
+                x = x.mul_scalar(s);
+            }
+            for (i, block) in self.blocks.iter().enumerate() {
+                x = block.forward(x, i, cache, &step, self);
+            }
+            cache.advance(t);
+            rms_norm(&self.output_norm, x)
+        })
     }
 
     /// Logits `[batch, t, vocab]` for every new position.
@@ -494,6 +497,9 @@ fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, cap: f32) -> Tensor<B, D
 /// f16 spacing `q` is a power of two found by comparisons with exact powers of two, and adding
 /// then subtracting `1.5 · 2²³ · q` rounds to a multiple of `q` in one correctly rounded f32 add.
 fn round_to_f16<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    if x.dtype() == DType::F16 {
+        return x; // f16 activations (`--dtype f16`) are rounded already
+    }
     let a = x.clone().abs();
     // Subnormal f16 spacing below 2^-14, then 2^(e-10) for |x| in [2^e, 2^(e+1)).
     let mut q = a.zeros_like().add_scalar(2f32.powi(-24));

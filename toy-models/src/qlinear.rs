@@ -29,10 +29,14 @@ impl<B: Backend> PackedMatrix<B> {
             (device, DType::U32),
         );
         let blocks = [packed.rows, packed.cols / 32];
-        // Quantized bases are frozen: no gradient, no optimizer state.
+        // Quantized bases are frozen: no gradient, no optimizer state. The scales stay f32
+        // whatever the activation type (`--dtype f16`): the kernels read them as f32.
         let frozen = |v: Vec<f32>| {
-            Param::from_tensor(Tensor::from_data(TensorData::new(v, blocks), device))
-                .set_require_grad(false)
+            Param::from_tensor(Tensor::from_data(
+                TensorData::new(v, blocks),
+                (device, DType::F32),
+            ))
+            .set_require_grad(false)
         };
         PackedMatrix {
             words: Param::initialized(ParamId::new(), words),

@@ -374,6 +374,7 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
                 let mean = h.sum_dim(1).reshape([d]) / t as f32;
                 let mut v = mean
                     .into_data()
+                    .convert::<f32>()
                     .into_vec::<f32>()
                     .map_err(|e| format!("backend error: {e:?}"))?;
                 let norm = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
@@ -395,6 +396,7 @@ fn ids_tensor<B: ToyBackend>(model: &Transformer<B>, ids: &[u32]) -> Tensor<B, 2
 
 fn host<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, String> {
     t.into_data()
+        .convert::<f32>() // f16 activations (`--dtype f16`)
         .into_vec::<f32>()
         .map_err(|e| format!("backend error: {e:?}"))
 }

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use toy_models::LlamaConfig;
+use toy_models::{Gpt2Config, LlamaConfig};
 
 use crate::TrainError;
 
@@ -40,6 +40,7 @@ impl Preset {
     pub fn shape(self) -> ModelShape {
         match self {
             Preset::Tiny => ModelShape {
+                arch: Arch::Llama,
                 n_layer: 4,
                 d_model: 128,
                 n_head: 4,
@@ -50,6 +51,7 @@ impl Preset {
                 rms_eps: 1e-5,
             },
             Preset::Small => ModelShape {
+                arch: Arch::Llama,
                 n_layer: 6,
                 d_model: 256,
                 n_head: 8,
@@ -89,9 +91,38 @@ impl Preset {
     }
 }
 
-/// A llama-family model shape (the vocabulary size comes from the tokenizer).
+/// The architecture of a model trained from scratch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// llama: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+    #[default]
+    Llama,
+    /// GPT-2: learned positions, LayerNorm with bias, fused QKV with bias, GELU MLP.
+    Gpt2,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 2] = [Arch::Llama, Arch::Gpt2];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Gpt2 => "gpt2",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == name)
+    }
+}
+
+/// A model shape (the vocabulary size comes from the tokenizer).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelShape {
+    /// `llama` when absent (config.json of runs made before GPT-2 could be trained).
+    #[serde(default)]
+    pub arch: Arch,
     pub n_layer: usize,
     pub d_model: usize,
     pub n_head: usize,
@@ -99,15 +130,49 @@ pub struct ModelShape {
     pub d_ff: usize,
     /// Longest context the model supports (written to the GGUF; generation is limited by it).
     pub context_length: usize,
+    /// Ignored by gpt2 (learned positions).
     pub rope_theta: f32,
+    /// The RMSNorm epsilon (llama) or the LayerNorm one (gpt2).
     pub rms_eps: f64,
 }
 
 impl ModelShape {
+    /// This shape as `arch`: a GPT-2 has as many key/value heads as query heads and an MLP of
+    /// 4 × d_model (OpenAI's GPT-2); a llama keeps the preset's GQA and SwiGLU widths.
+    pub fn with_arch(self, arch: Arch) -> Self {
+        match arch {
+            Arch::Llama => ModelShape { arch, ..self },
+            Arch::Gpt2 => ModelShape {
+                arch,
+                n_head_kv: self.n_head,
+                d_ff: 4 * self.d_model,
+                ..self
+            },
+        }
+    }
+
     pub fn check(&self) -> Result<(), TrainError> {
         let bad = |what: String| Err(TrainError::Config(what));
         if self.n_layer == 0 || self.d_model == 0 || self.d_ff == 0 || self.context_length == 0 {
             return bad("layers, d_model, ffn and context must be positive".into());
+        }
+        if self.arch == Arch::Gpt2 {
+            if self.n_head_kv != self.n_head {
+                return bad(format!(
+                    "gpt2 has as many kv heads as heads ({}), not {}",
+                    self.n_head, self.n_head_kv
+                ));
+            }
+            if self.n_head == 0 || !self.d_model.is_multiple_of(self.n_head) {
+                return bad(format!(
+                    "d_model ({}) must be a multiple of heads ({})",
+                    self.d_model, self.n_head
+                ));
+            }
+            if !(self.rms_eps > 0.0) {
+                return bad("the norm epsilon must be positive".into());
+            }
+            return Ok(());
         }
         if self.n_head == 0 || self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(format!(
@@ -133,6 +198,18 @@ impl ModelShape {
     /// the embedding: `LlamaConfig::init` gives a tied model's head its own copy of the weights,
     /// which training would then update apart, so a from-scratch model is untied and the GGUF
     /// carries `output.weight`.
+    pub fn gpt2(&self, vocab_size: usize) -> Gpt2Config {
+        Gpt2Config::new(
+            self.n_layer,
+            self.d_model,
+            self.n_head,
+            self.d_ff,
+            vocab_size,
+            self.context_length,
+        )
+        .with_norm_eps(self.rms_eps)
+    }
+
     pub fn llama(&self, vocab_size: usize) -> LlamaConfig {
         LlamaConfig::new(
             self.n_layer,
@@ -225,7 +302,8 @@ impl OptimConfig {
 /// Where the tokens come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DataConfig {
-    /// Text files (UTF-8), tokenized and concatenated in this order.
+    /// Text files (UTF-8) or pre-tokenized files (`*.u32`, `*.bin`: little-endian u32 ids),
+    /// tokenized and concatenated in this order.
     pub files: Vec<PathBuf>,
     /// The GGUF holding the tokenizer (a model GGUF or a tokenizer-only one); its `tokenizer.*`
     /// metadata is copied into every checkpoint.
@@ -272,16 +350,108 @@ pub enum Recipe {
     /// A from-scratch model whose token embeddings start from the donor GGUF's `token_embd`
     /// (through a trainable projection when the widths differ); the tokenizer is the donor's.
     WarmStart { donor: PathBuf },
+    /// LoRA adapters over a frozen base GGUF loaded as f32 (dequantized); only the adapters
+    /// train. The tokenizer is the base's.
+    Lora {
+        base: PathBuf,
+        adapter: LoraSettings,
+    },
+    /// LoRA adapters over a frozen base kept quantized (Q8_0/Q4_0/Q4_1 packed; other types are
+    /// f32).
+    Qlora {
+        base: PathBuf,
+        adapter: LoraSettings,
+    },
+    /// Every weight of the base GGUF trainable (loaded as f32; a quantized base is dequantized).
+    Full { base: PathBuf },
+}
+
+/// The adapters of the `lora` and `qlora` recipes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraSettings {
+    pub rank: usize,
+    /// The adapter output is scaled by `alpha / rank`.
+    pub alpha: f32,
+    /// Dropout probability on each adapter's input during training.
+    pub dropout: f32,
+    /// Projections that get an adapter, among q, k, v, o, gate, up, down.
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraSettings {
+    /// Rank 8 on q and v without dropout, as PEFT's defaults for llama models, with alpha 16 = 2r
+    /// (PEFT's default alpha is 8; 2r is the usual choice).
+    fn default() -> Self {
+        LoraSettings {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: vec!["q".into(), "v".into()],
+        }
+    }
+}
+
+impl LoraSettings {
+    /// The adapters' shape, with the target names checked.
+    pub fn spec(&self) -> Result<toy_models::lora::LoraSpec, TrainError> {
+        let mut targets = Vec::new();
+        for name in &self.targets {
+            let t = toy_models::lora::Target::from_name(name).ok_or_else(|| {
+                TrainError::Config(format!(
+                    "unknown LoRA target {name:?} (available: q, k, v, o, gate, up, down)"
+                ))
+            })?;
+            if !targets.contains(&t) {
+                targets.push(t);
+            }
+        }
+        if targets.is_empty() {
+            return Err(TrainError::Config("no LoRA targets given".into()));
+        }
+        if self.rank == 0 || !(self.alpha > 0.0) || !(0.0..1.0).contains(&self.dropout) {
+            return Err(TrainError::Config(
+                "LoRA rank and alpha must be positive and dropout in [0, 1)".into(),
+            ));
+        }
+        targets.sort();
+        Ok(toy_models::lora::LoraSpec {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            targets,
+        })
+    }
 }
 
 impl Recipe {
     /// The names `--recipe` takes.
-    pub const NAMES: [&str; 2] = ["from-scratch", "warm-start"];
+    pub const NAMES: [&str; 5] = ["from-scratch", "warm-start", "lora", "qlora", "full"];
 
     pub fn name(&self) -> &'static str {
         match self {
             Recipe::FromScratch => "from-scratch",
             Recipe::WarmStart { .. } => "warm-start",
+            Recipe::Lora { .. } => "lora",
+            Recipe::Qlora { .. } => "qlora",
+            Recipe::Full { .. } => "full",
+        }
+    }
+
+    /// The base GGUF a fine-tuning recipe starts from.
+    pub fn base(&self) -> Option<&std::path::Path> {
+        match self {
+            Recipe::Lora { base, .. } | Recipe::Qlora { base, .. } | Recipe::Full { base } => {
+                Some(base)
+            }
+            _ => None,
+        }
+    }
+
+    /// The adapters of a LoRA recipe.
+    pub fn adapter(&self) -> Option<&LoraSettings> {
+        match self {
+            Recipe::Lora { adapter, .. } | Recipe::Qlora { adapter, .. } => Some(adapter),
+            _ => None,
         }
     }
 }
@@ -321,13 +491,13 @@ impl TrainConfig {
     }
 
     pub fn check(&self) -> Result<(), TrainError> {
-        if let Recipe::WarmStart { .. } = self.recipe {
-            // The trainer does not build warm-started models yet (issue 4).
-            return Err(TrainError::Config(
-                "the warm-start recipe is not available yet".into(),
-            ));
+        if let Some(adapter) = self.recipe.adapter() {
+            adapter.spec()?;
         }
-        self.model.check()?;
+        // A fine-tuning recipe's shape and context are the base's (checked when it is loaded).
+        if self.recipe.base().is_none() {
+            self.model.check()?;
+        }
         self.optim.check()?;
         if self.data.files.is_empty() {
             return Err(TrainError::Config("no training data files given".into()));
@@ -338,7 +508,7 @@ impl TrainConfig {
                 self.data.val_fraction
             )));
         }
-        if self.optim.seq_len > self.model.context_length {
+        if self.recipe.base().is_none() && self.optim.seq_len > self.model.context_length {
             return Err(TrainError::Config(format!(
                 "sequence length {} is longer than the model's context {}",
                 self.optim.seq_len, self.model.context_length

@@ -31,11 +31,56 @@ pub struct TokenData {
     n_val: usize,
 }
 
-/// Tokenize `files` in order and concatenate them.
+/// Tokenize `files` in order and concatenate them. A file named `*.u32` or `*.bin` is already
+/// tokenized ([`read_token_file`]); any other is UTF-8 text ([`tokenize_file`]).
 pub fn tokenize_files(tokenizer: &Tokenizer, files: &[PathBuf]) -> Result<Vec<u32>, TrainError> {
     let mut tokens = Vec::new();
     for path in files {
-        tokens.extend(tokenize_file(tokenizer, path)?);
+        if is_token_file(path) {
+            tokens.extend(read_token_file(path, tokenizer.vocab_size())?);
+        } else {
+            tokens.extend(tokenize_file(tokenizer, path)?);
+        }
+    }
+    Ok(tokens)
+}
+
+/// Whether `path` names a pre-tokenized file (by its extension: `.u32` or `.bin`).
+pub fn is_token_file(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("u32" | "bin")
+    )
+}
+
+/// A pre-tokenized file: little-endian u32 token ids, nothing else (the layout of
+/// `train_tokens.u32` in `shared/anchors/pytorch/train_bench.py`, and of `np.uint32` arrays
+/// written with `tofile`). Taken as it is: no BOS is added. Every id must be below `vocab_size`.
+pub fn read_token_file(path: &Path, vocab_size: usize) -> Result<Vec<u32>, TrainError> {
+    let bytes = std::fs::read(path).map_err(|source| TrainError::Io {
+        what: format!("cannot read training data {}", path.display()),
+        source,
+    })?;
+    if !bytes.len().is_multiple_of(4) {
+        return Err(TrainError::Data(format!(
+            "{} is {} bytes, not a whole number of little-endian u32 token ids",
+            path.display(),
+            bytes.len()
+        )));
+    }
+    let tokens: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    if let Some((i, &id)) = tokens
+        .iter()
+        .enumerate()
+        .find(|&(_, &id)| id as usize >= vocab_size)
+    {
+        return Err(TrainError::Data(format!(
+            "{}: token {i} is id {id}, outside the tokenizer's vocabulary of {vocab_size} (was it tokenized with another tokenizer?)",
+            path.display()
+        )));
     }
     Ok(tokens)
 }
@@ -84,6 +129,11 @@ impl TokenData {
 
     pub fn n_tokens(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Every token, in order (training and held-out).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
 
     pub fn seq_len(&self) -> usize {

@@ -16,7 +16,7 @@
 use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 use toy_kernels::ToyBackend;
-use toy_models::Transformer;
+use toy_models::{CausalLm, Transformer};
 
 use crate::TrainError;
 use crate::data::Batch;
@@ -90,7 +90,7 @@ impl EvalResult {
 /// The log-softmax is taken on the host in f64, as llama.cpp's perplexity tool does, so that an
 /// f32 sum over a large vocabulary adds no rounding of its own to the comparison.
 fn score<B: ToyBackend>(
-    model: &Transformer<B>,
+    model: &impl CausalLm<B>,
     inputs: Tensor<B, 2, Int>,
     targets: &[u32],
     top_k: usize,
@@ -152,7 +152,7 @@ struct Scores {
 
 /// Mean NLL over held-out batches (every position scored).
 pub fn evaluate_batches<B: ToyBackend>(
-    model: &Transformer<B>,
+    model: &impl CausalLm<B>,
     batches: &[Batch],
 ) -> Result<EvalResult, TrainError> {
     let device = model.device();

@@ -6,13 +6,15 @@
 //! seeded by the run's seed and the parameter's position in the model: N(0, 1) for the token
 //! embedding (burn's `Embedding` default: each token starts as a unit-scale vector in the
 //! residual stream), N(0, 1/fan_in) for every other matrix (fan_in = its input width), ones for
-//! the RMSNorm gains (as `init` leaves them).
+//! the RMSNorm gains (as `init` leaves them). A GPT-2 gets the same: N(0, 1) for its token and
+//! position embeddings, N(0, 1/fan_in) for its matrices, LayerNorms at weight 1 and bias 0, and
+//! zero biases (as [`Gpt2Config::init`] leaves them).
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use toy_kernels::ToyBackend;
-use toy_models::{LlamaConfig, Transformer};
+use toy_models::{Gpt2, Gpt2Config, LlamaConfig, Transformer};
 
 use crate::data::SplitMix64;
 
@@ -33,6 +35,29 @@ pub fn init_model<B: ToyBackend>(
         token_embd: burn::nn::Embedding {
             weight: Param::from_mapped_value(id, weight, mapper),
         },
+        ..model
+    }
+}
+
+/// A GPT-2 of shape `config` with weights drawn from `seed` (see the module docs).
+pub fn init_gpt2<B: ToyBackend>(config: &Gpt2Config, seed: u64, device: &B::Device) -> Gpt2<B> {
+    let model = config.init::<B>(device).map(&mut SeededInit {
+        seed,
+        index: 0,
+        device: device.clone(),
+    });
+    // The embeddings are tables of input vectors: unit scale, like the llama's, from streams
+    // the matrices do not use (those count up from 1).
+    let unit = |embedding: burn::nn::Embedding<B>, stream: u64| {
+        let (id, weight, mapper) = embedding.weight.consume();
+        let weight = draw(&weight, 1.0, seed, stream, device);
+        burn::nn::Embedding {
+            weight: Param::from_mapped_value(id, weight, mapper),
+        }
+    };
+    Gpt2 {
+        token_embd: unit(model.token_embd, 0),
+        pos_embd: unit(model.pos_embd, u64::MAX),
         ..model
     }
 }
@@ -77,7 +102,7 @@ impl<B: Backend> ModuleMapper<B> for SeededInit<B> {
 }
 
 /// `n` draws from N(0, std²) by the Box–Muller transform (in f64, rounded to f32).
-fn normals(rng: &mut SplitMix64, n: usize, std: f64) -> Vec<f32> {
+pub(crate) fn normals(rng: &mut SplitMix64, n: usize, std: f64) -> Vec<f32> {
     let mut out = Vec::with_capacity(n + 1);
     while out.len() < n {
         // Uniforms in (0, 1]: 53 random bits, never 0 (ln(0) is -inf).

@@ -4,6 +4,7 @@
 //! - [`data`]: text files → tokens → packed sequences → seeded micro-batches, with a held-out
 //!   split.
 //! - [`init`]: seeded weight initialization, independent of burn's global RNG.
+//! - [`model`]: the trained model of any architecture ([`model::Trainee`]), warm-start donors.
 //! - [`optim`]: the loss, AdamW with weight decay on matrices only, global-norm clipping.
 //! - [`schedule`]: linear warmup + cosine decay.
 //! - [`trainer`]: the from-scratch recipe's loop on `Autodiff<B>`, with evaluation, samples and
@@ -12,13 +13,16 @@
 //! - [`events`]: the `toy/v1` event log (`docs/events.md`).
 //! - [`eval`]: cross-entropy and perplexity with documented windowing (`toy eval`).
 
+pub mod adapter;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod eval;
 pub mod events;
+pub mod finetune;
 pub mod init;
 pub mod lmc;
+pub mod model;
 pub mod optim;
 pub mod report;
 pub mod schedule;

@@ -126,21 +126,22 @@ fn split_by_rank<B: AutodiffBackend, M: AutodiffModule<B>>(
     (split.matrices, split.vectors)
 }
 
-type Adam<B> = OptimizerAdaptor<AdamW, Transformer<B>, B>;
+type Adam<B, M> = OptimizerAdaptor<AdamW, M, B>;
+
+/// The moments of one AdamW group, keyed by parameter id: the same type whatever the module (burn's
+/// adaptor records a map from parameter ids), named here through the llama model.
+type GroupRecord<B> = <Adam<B, Transformer<B>> as Optimizer<Transformer<B>, B>>::Record;
 
 /// The optimizer state a checkpoint holds: the moments of both groups.
-pub type OptimRecord<B> = (
-    <Adam<B> as Optimizer<Transformer<B>, B>>::Record,
-    <Adam<B> as Optimizer<Transformer<B>, B>>::Record,
-);
+pub type OptimRecord<B> = (GroupRecord<B>, GroupRecord<B>);
 
-/// AdamW over two parameter groups (see the module docs).
-pub struct TrainOptimizer<B: AutodiffBackend + ToyBackend> {
-    decay: Adam<B>,
-    no_decay: Adam<B>,
+/// AdamW over two parameter groups (see the module docs) of the module `M`.
+pub struct TrainOptimizer<B: AutodiffBackend + ToyBackend, M: AutodiffModule<B>> {
+    decay: Adam<B, M>,
+    no_decay: Adam<B, M>,
 }
 
-impl<B: AutodiffBackend + ToyBackend> TrainOptimizer<B> {
+impl<B: AutodiffBackend + ToyBackend, M: AutodiffModule<B>> TrainOptimizer<B, M> {
     pub fn new(config: &OptimConfig) -> Self {
         let adamw = |decay: f32| {
             AdamWConfig::new()
@@ -148,7 +149,7 @@ impl<B: AutodiffBackend + ToyBackend> TrainOptimizer<B> {
                 .with_beta_2(config.beta2)
                 .with_epsilon(config.epsilon)
                 .with_weight_decay(decay)
-                .init::<B, Transformer<B>>()
+                .init::<B, M>()
         };
         TrainOptimizer {
             decay: adamw(config.weight_decay),
@@ -157,12 +158,7 @@ impl<B: AutodiffBackend + ToyBackend> TrainOptimizer<B> {
     }
 
     /// One AdamW step of both groups at learning rate `lr`.
-    pub fn step(
-        &mut self,
-        lr: f64,
-        model: Transformer<B>,
-        grads: GradientsParams,
-    ) -> Transformer<B> {
+    pub fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
         let (decay, no_decay) = split_by_rank::<B, _>(&model, grads);
         let model = self.decay.step(lr, model, decay);
         self.no_decay.step(lr, model, no_decay)

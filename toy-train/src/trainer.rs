@@ -13,27 +13,30 @@
 //! same curve: the checkpoint restores the weights and AdamW moments exactly (f32 records).
 
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::ElementConversion;
+use burn::tensor::{ElementConversion, Tensor};
 use toy_core::gguf::{GgufFile, Value};
 use toy_core::sampling::{Sampler, SamplingParams};
 use toy_core::tokenizer::Tokenizer;
 use toy_kernels::ToyBackend;
 use toy_models::generate::{GenerateOptions, generate};
-use toy_models::{LlamaConfig, Transformer};
+use toy_models::lora::{self, LoraAdapters};
+use toy_models::{CausalLm, LlamaConfig, Model};
 
 use crate::TrainError;
+use crate::adapter::Adapter;
 use crate::checkpoint::{RunDir, TrainState};
-use crate::config::TrainConfig;
+use crate::config::{Arch, Recipe, TrainConfig};
 use crate::data::{Batch, TokenData, tokenize_files};
 use crate::eval::{EvalResult, evaluate_batches};
 use crate::events::{Event, EventLog, Record};
-use crate::init::init_model;
+use crate::finetune::{Base, start_model};
+use crate::model::{DonorEmbedding, ModelSpec, Trainee, init_trainee};
 use crate::optim::{OptimRecord, TrainOptimizer, cross_entropy, grad_norm, scale_grads};
 use crate::schedule::learning_rate;
 
@@ -45,12 +48,25 @@ pub struct TrainSetup {
     /// `tokenizer.*` metadata of the tokenizer GGUF, copied into every checkpoint.
     pub tokenizer_metadata: Vec<(String, Value)>,
     pub data: TokenData,
+    /// The base model of a fine-tuning recipe (`lora`, `qlora`, `full`).
+    pub base: Option<Base>,
+    /// The donor's token embeddings (warm start).
+    pub donor: Option<DonorEmbedding>,
 }
 
 impl TrainSetup {
     /// Load the tokenizer and tokenize the data of `config`.
     pub fn prepare(config: TrainConfig) -> Result<Self, TrainError> {
         config.check()?;
+        let base = config.recipe.base().map(Base::open).transpose()?;
+        if let Some(b) = &base
+            && config.optim.seq_len > b.config.context_length
+        {
+            return Err(TrainError::Config(format!(
+                "sequence length {} is longer than the base model's context {}",
+                config.optim.seq_len, b.config.context_length
+            )));
+        }
         let file = GgufFile::open(&config.data.tokenizer).map_err(|e| {
             TrainError::Config(format!(
                 "cannot open the tokenizer {}: {e}",
@@ -69,6 +85,13 @@ impl TrainSetup {
             .filter(|(k, _)| k.starts_with("tokenizer."))
             .cloned()
             .collect();
+        let donor = match &config.recipe {
+            Recipe::WarmStart { donor } => {
+                check_same_vocabulary(&file, &config.data.tokenizer, donor)?;
+                Some(DonorEmbedding::read(donor)?)
+            }
+            _ => None,
+        };
         let tokens = tokenize_files(&tokenizer, &config.data.files)?;
         let data = TokenData::new(tokens, config.optim.seq_len, config.data.val_fraction)?;
         if data.batches_per_epoch(config.optim.batch_size) == 0 {
@@ -84,11 +107,65 @@ impl TrainSetup {
             tokenizer,
             tokenizer_metadata,
             data,
+            base,
+            donor,
         })
     }
 
+    /// The architecture and shape of the model: the base's, or the config's with the
+    /// tokenizer's vocabulary.
+    pub fn model_spec(&self) -> ModelSpec {
+        match (&self.base, self.config.model.arch) {
+            (Some(_), _) | (None, Arch::Llama) => ModelSpec::Llama(self.llama_config()),
+            (None, Arch::Gpt2) => {
+                ModelSpec::Gpt2(self.config.model.gpt2(self.tokenizer.vocab_size()))
+            }
+        }
+    }
+
     pub fn llama_config(&self) -> LlamaConfig {
-        self.config.model.llama(self.tokenizer.vocab_size())
+        match &self.base {
+            Some(base) => base.llama_config(&self.config.recipe),
+            None => self.config.model.llama(self.tokenizer.vocab_size()),
+        }
+    }
+
+    /// Whether the run trains LoRA adapters (and checkpoints only them).
+    fn trains_adapters(&self) -> bool {
+        self.config.recipe.adapter().is_some()
+    }
+
+    /// What a checkpoint leaves for users: `model.gguf`, or `adapter.gguf` (with its PEFT
+    /// twins) for a LoRA run.
+    pub fn output_path(&self, run: &RunDir) -> PathBuf {
+        if self.trains_adapters() {
+            run.path.join("adapter.gguf")
+        } else {
+            run.model_path()
+        }
+    }
+
+    /// Write the checkpoint's user-facing files (see [`Self::output_path`]).
+    fn write_outputs<B: ToyBackend>(
+        &self,
+        model: &Model<B>,
+        spec: &ModelSpec,
+        meta: &[(String, Value)],
+        run: &RunDir,
+    ) -> Result<u64, TrainError> {
+        match (&self.base, self.config.recipe.adapter(), model) {
+            (Some(base), Some(a), Model::Llama(model)) => {
+                let adapter = Adapter::from_model(model, a.alpha, a.dropout)?;
+                let base_path = self.config.recipe.base().unwrap_or(Path::new(""));
+                adapter.write_all(
+                    &run.path,
+                    base.heads(),
+                    &base.name(base_path),
+                    &format!("toy {} {}", self.config.recipe, run.id),
+                )
+            }
+            _ => spec.save(model, meta, &run.model_path()),
+        }
     }
 
     /// The metadata written into checkpoints besides the model's own keys.
@@ -135,13 +212,34 @@ pub fn train<B: ToyBackend>(
 ) -> Result<RunSummary, TrainError> {
     let config = &setup.config;
     let o = &config.optim;
-    let llama = setup.llama_config();
+    let spec = setup.model_spec();
     let meta = setup.gguf_metadata(&run.id);
     let checkpoint = run.latest()?;
 
-    // The model and optimizer: fresh from the seed, or restored exactly.
-    let mut model: Transformer<Ad<B>> = init_model(&llama, config.seed, device);
-    let mut optim = TrainOptimizer::<Ad<B>>::new(o);
+    // The model and optimizer: fresh from the seed (or the base), or restored exactly.
+    let mut model: Trainee<Ad<B>> = match &setup.base {
+        Some(base) => Trainee {
+            model: Model::Llama(start_model(config, base, device)?),
+            embd_proj: None,
+        },
+        None => init_trainee(&spec, config.seed, setup.donor.as_ref(), device)?,
+    };
+    let mut optim = TrainOptimizer::<Ad<B>, Trainee<Ad<B>>>::new(o);
+    // The donor's table, when the token embedding is computed from it (a warm start across
+    // widths): a constant of the graph.
+    let donor: Option<Tensor<Ad<B>, 2>> = match (&setup.donor, &model.embd_proj) {
+        (Some(d), Some(_)) => Some(d.tensor(device)),
+        _ => None,
+    };
+    let donor_inner = donor.as_ref().map(|d| d.clone().inner());
+    // The plain model on the inner backend: what is evaluated, sampled and saved.
+    let plain = |m: &Trainee<Ad<B>>| -> Model<B> {
+        let valid = m.valid();
+        match &donor_inner {
+            Some(d) => valid.folded(d),
+            None => valid.model,
+        }
+    };
     let mut state = TrainState {
         step: 0,
         total_tokens: 0,
@@ -152,13 +250,31 @@ pub fn train<B: ToyBackend>(
     };
     let resumed = checkpoint.is_some();
     if let Some(dir) = &checkpoint {
-        let (saved, model_record, optim_record) =
-            RunDir::read_checkpoint::<Ad<B>, _, OptimRecord<Ad<B>>>(dir, device)?;
-        model = model.load_record(model_record);
+        // A LoRA checkpoint records the adapters only (the base is the base GGUF).
+        let (saved, optim_record) = if setup.trains_adapters() {
+            let (saved, record, optim_record) = RunDir::read_checkpoint::<
+                Ad<B>,
+                <LoraAdapters<Ad<B>> as Module<Ad<B>>>::Record,
+                OptimRecord<Ad<B>>,
+            >(dir, device)?;
+            let Model::Llama(llama) = model.model else {
+                return Err(TrainError::Config("LoRA trains llama-family models".into()));
+            };
+            let restored = lora::adapters(&llama).load_record(record);
+            model.model = Model::Llama(
+                lora::install(llama, restored).map_err(|e| TrainError::Record(e.to_string()))?,
+            );
+            (saved, optim_record)
+        } else {
+            let (saved, model_record, optim_record) =
+                RunDir::read_checkpoint::<Ad<B>, _, OptimRecord<Ad<B>>>(dir, device)?;
+            model = model.load_record(model_record);
+            (saved, optim_record)
+        };
         optim = optim.load_record(optim_record);
         state = saved;
         // A kill between the checkpoint and the GGUF leaves an older model.gguf: bring it level.
-        toy_models::save(&model.valid(), &llama, &meta, run.model_path())?;
+        setup.write_outputs(&plain(&model), &spec, &meta, run)?;
     } else {
         run.write_config(config)?;
     }
@@ -177,7 +293,7 @@ pub fn train<B: ToyBackend>(
         git_revision: info.git_revision.clone(),
         toy_version: env!("CARGO_PKG_VERSION").to_string(),
         n_params: model.num_params(),
-        vocab_size: llama.vocab_size,
+        vocab_size: spec.vocab_size(),
         data_tokens: setup.data.n_tokens(),
         train_sequences: setup.data.n_train(),
         val_sequences: setup.data.n_val(),
@@ -185,7 +301,7 @@ pub fn train<B: ToyBackend>(
         resumed_from_step: resumed.then_some(state.step),
     })?;
     if !resumed {
-        events.emit(sample(&model.valid(), setup, 0)?)?;
+        events.emit(sample(&plain(&model), setup, 0)?)?;
     }
 
     let cadence = &config.cadence;
@@ -203,7 +319,14 @@ pub fn train<B: ToyBackend>(
             })
             .collect::<Result<Vec<_>, _>>()?;
         let epoch = batches[0].epoch;
-        let (mut grads, loss) = accumulate_grads(&model, &batches, device);
+        // LoRA dropout masks: a function of the seed and the step.
+        if let Model::Llama(llama) = &mut model.model {
+            lora::set_dropout_seed(
+                llama,
+                config.seed ^ (step as u64).wrapping_mul(0x2545_F491_4F6C_DD1D),
+            );
+        }
+        let (mut grads, loss) = accumulate_grads(&model, donor.as_ref(), &batches, device);
         let norm = grad_norm::<Ad<B>, _>(&model, &mut grads);
         if !norm.is_finite() {
             return Err(TrainError::Diverged {
@@ -239,7 +362,7 @@ pub fn train<B: ToyBackend>(
         let last = done == o.steps;
         if (due(cadence.eval_every, done) || last) && setup.data.n_val() > 0 {
             let batches = setup.data.val_batches(o.batch_size, cadence.eval_batches);
-            let result = evaluate_batches(&model.valid(), &batches)?;
+            let result = evaluate_batches(&plain(&model), &batches)?;
             state.last_eval_loss = Some(result.mean_nll);
             events.emit(Event::Eval {
                 step: done,
@@ -250,24 +373,29 @@ pub fn train<B: ToyBackend>(
             last_eval = Some(result);
         }
         if due(cadence.sample_every, done) || last {
-            events.emit(sample(&model.valid(), setup, done)?)?;
+            events.emit(sample(&plain(&model), setup, done)?)?;
         }
         if due(cadence.checkpoint_every, done) || last {
             state.events_len = events.log.durable_len()?;
-            let valid = model.valid();
-            let (dir, bytes) =
-                run.write_checkpoint::<Ad<B>, _, _>(&state, &model, optim.to_record(), |path| {
-                    Ok(toy_models::save(&valid, &llama, &meta, path)?)
-                })?;
+            let valid = plain(&model);
+            let write = |_: &Path| setup.write_outputs(&valid, &spec, &meta, run);
+            let (dir, bytes) = if let (true, Model::Llama(llama)) =
+                (setup.trains_adapters(), &model.model)
+            {
+                let adapters = lora::adapters(llama);
+                run.write_checkpoint::<Ad<B>, _, _>(&state, &adapters, optim.to_record(), write)?
+            } else {
+                run.write_checkpoint::<Ad<B>, _, _>(&state, &model, optim.to_record(), write)?
+            };
             events.emit(Event::Checkpoint {
                 step: done,
-                model: run.model_path(),
+                model: setup.output_path(run),
                 state: dir,
                 bytes,
             })?;
         }
         if events.stop {
-            return Ok(summary(&state, last_eval, run));
+            return Ok(summary(&state, last_eval, setup.output_path(run)));
         }
     }
 
@@ -278,17 +406,17 @@ pub fn train<B: ToyBackend>(
         total_tokens: state.total_tokens,
         elapsed_s: state.elapsed_s,
     })?;
-    Ok(summary(&state, last_eval, run))
+    Ok(summary(&state, last_eval, setup.output_path(run)))
 }
 
-fn summary(state: &TrainState, final_eval: Option<EvalResult>, run: &RunDir) -> RunSummary {
+fn summary(state: &TrainState, final_eval: Option<EvalResult>, model_path: PathBuf) -> RunSummary {
     RunSummary {
         steps: state.step,
         final_loss: state.last_loss,
         final_eval,
         total_tokens: state.total_tokens,
         elapsed_s: state.elapsed_s,
-        model_path: run.model_path(),
+        model_path,
     }
 }
 
@@ -312,16 +440,33 @@ impl Events<'_> {
 /// Gradients of the mean cross-entropy over `batches` (micro-batches of equal size), summed one
 /// micro-batch at a time so that only one micro-batch's activations are alive at once; and that
 /// mean loss. The result equals the gradient of one forward over all the batches' sequences.
+///
+/// `donor`: the donor's embedding table when `model` has a projection of it (a warm start).
 pub fn accumulate_grads<B: ToyBackend>(
-    model: &Transformer<Ad<B>>,
+    model: &Trainee<Ad<B>>,
+    donor: Option<&Tensor<Ad<B>, 2>>,
     batches: &[Batch],
     device: &B::Device,
 ) -> (GradientsParams, f64) {
-    let mut accumulator = GradientsAccumulator::<Transformer<Ad<B>>>::new();
+    let mut accumulator = GradientsAccumulator::<Trainee<Ad<B>>>::new();
     let mut loss_sum = 0.0;
-    for batch in batches {
+    for (m, batch) in batches.iter().enumerate() {
+        // Each micro-batch draws its own LoRA dropout masks.
+        let reseeded;
+        let model = match &model.model {
+            Model::Llama(llama) if m > 0 && lora::has_dropout(llama) => {
+                let mut clone = llama.clone();
+                lora::advance_dropout(&mut clone, m as u64);
+                reseeded = Trainee {
+                    model: Model::Llama(clone),
+                    embd_proj: model.embd_proj.clone(),
+                };
+                &reseeded
+            }
+            _ => model,
+        };
         let (inputs, targets) = batch.tensors::<Ad<B>>(device);
-        let logits = model.forward(inputs, &mut model.new_cache());
+        let logits = model.forward(inputs, donor);
         let loss = cross_entropy(logits, targets);
         loss_sum += loss.clone().into_scalar().elem::<f64>();
         // Each micro-batch's share of the mean: the summed gradients are the mean's gradient.
@@ -333,7 +478,7 @@ pub fn accumulate_grads<B: ToyBackend>(
 
 /// Generate a sample from the configured prompt (seeded by the run's seed and the step).
 fn sample<B: ToyBackend>(
-    model: &Transformer<B>,
+    model: &impl CausalLm<B>,
     setup: &TrainSetup,
     step: usize,
 ) -> Result<Event, TrainError> {
@@ -342,7 +487,7 @@ fn sample<B: ToyBackend>(
     let prompt = tok
         .encode(&c.sample_prompt, true, true)
         .map_err(|e| TrainError::Config(format!("cannot tokenize the sample prompt: {e}")))?;
-    let room = model.context_length.saturating_sub(prompt.len());
+    let room = model.context_length().saturating_sub(prompt.len());
     let seed = setup.config.seed.wrapping_add(step as u64);
     let mut text = c.sample_prompt.clone();
     if !prompt.is_empty() && room > 0 {
@@ -373,4 +518,25 @@ fn sample<B: ToyBackend>(
         temperature: c.sample_temperature,
         seed,
     })
+}
+
+/// A warm start's vocabulary is the donor's: the tokenizer must be the donor's own (the CLI
+/// takes it from the donor), or one with the identical token list.
+fn check_same_vocabulary(
+    tokenizer_file: &GgufFile,
+    tokenizer_path: &Path,
+    donor: &Path,
+) -> Result<(), TrainError> {
+    let donor_file = GgufFile::open(donor).map_err(|e| {
+        TrainError::Config(format!("cannot open the donor {}: {e}", donor.display()))
+    })?;
+    let tokens = |f: &GgufFile| f.get("tokenizer.ggml.tokens").cloned();
+    if tokens(&donor_file).is_none() || tokens(&donor_file) != tokens(tokenizer_file) {
+        return Err(TrainError::Config(format!(
+            "warm-start uses the donor's tokenizer, and {} has another vocabulary than the donor {}; drop --tokenizer",
+            tokenizer_path.display(),
+            donor.display()
+        )));
+    }
+    Ok(())
 }

@@ -217,8 +217,12 @@ fn gradient_accumulation_equals_one_big_batch() {
     let c = config(1);
     let setup = TrainSetup::prepare(c.clone()).unwrap();
     let device = Default::default();
-    let model: toy_models::Transformer<Autodiff<Flex>> =
+    let llama: toy_models::Transformer<Autodiff<Flex>> =
         toy_train::init::init_model(&setup.llama_config(), 1, &device);
+    let model = toy_train::model::Trainee {
+        model: toy_models::Model::Llama(llama),
+        embd_proj: None,
+    };
     let micro: Vec<Batch> = (0..3)
         .map(|g| setup.data.train_batch(c.seed, g, 4).unwrap())
         .collect();
@@ -228,13 +232,13 @@ fn gradient_accumulation_equals_one_big_batch() {
         seq_len: micro[0].seq_len,
         epoch: 0,
     };
-    let (g_acc, loss_acc) = accumulate_grads::<Flex>(&model, &micro, &device);
-    let (g_one, loss_one) = accumulate_grads::<Flex>(&model, &[whole], &device);
+    let (g_acc, loss_acc) = accumulate_grads::<Flex>(&model, None, &micro, &device);
+    let (g_one, loss_one) = accumulate_grads::<Flex>(&model, None, &[whole], &device);
     assert!(
         (loss_acc - loss_one).abs() < 1e-5,
         "{loss_acc} vs {loss_one}"
     );
-    let id = model.token_embd.weight.id;
+    let id = toy_train::model::token_embd(&model.model).weight.id;
     let get = |g: &burn::optim::GradientsParams| -> Vec<f32> {
         g.get::<Flex, 2>(id)
             .unwrap()
