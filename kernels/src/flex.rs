@@ -18,6 +18,13 @@ use crate::quant::BLOCK;
 use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
 impl ToyBackend for Flex {
+    /// On a worker of rayon's pool: a parallel op started from outside the pool hands its work
+    /// to the workers and puts the caller to sleep until they finish (two context switches per
+    /// op, a few hundred ops per decoded token); from a worker it splits in place.
+    fn run_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        rayon::scope(|_| f())
+    }
+
     fn q8_0_matmul(
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
@@ -242,6 +249,13 @@ fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &AttentionOp
 with_fma!(fn attend_head = attend_head_impl(q: &[f32], k: &[f32], v: &[f32], mask: &[bool], out: &mut [f32], dims: [usize; 3], scale: f32));
 
 /// One query head against its K/V head (see `attention_ggml`).
+///
+/// The `V·p` products are accumulated for all output columns at once (key-major, so V is read
+/// row by row), each column keeping its own lane accumulators in ggml's order. Keys whose
+/// probability is exactly 0 (masked: in the future, outside the window, or llama.cpp's padding
+/// up to 256) only ever add `v·0 = ±0` to a lane, which leaves it unchanged (a lane is never -0:
+/// it starts at +0 and `+0 + -0 = +0`), and their softmax chunks add 0 to the sum; so the loops
+/// run over the 64-aligned span of visible keys only.
 #[inline(always)]
 fn attend_head_impl(
     q: &[f32],
@@ -252,47 +266,146 @@ fn attend_head_impl(
     [tq, tk, d]: [usize; 3],
     scale: f32,
 ) {
-    // llama.cpp pads the KV length to 256 with masked positions: their probability is exactly 0,
-    // so past the last 16-lane (softmax, tinyBLAS) or 64-element (vec_dot) block holding a real
-    // key they only add zeros, and we stop there.
     let n_pad = tk.div_ceil(64) * 64;
     let mut p = vec![0.0f32; n_pad];
+    // Lane accumulators, `[lane][column]`: 64 lanes for vec_dot_f32 (decode), 16 for tinyBLAS.
+    let lanes = if tq == 1 { 64 } else { 16 };
+    let mut acc = vec![0.0f32; lanes * d];
+    // For several query rows, K transposed once (`[d][tk16]`, zero-padded to 16 keys) lets the
+    // scores of 16 keys be computed together, one key per lane.
+    let tk16 = tk.div_ceil(16) * 16;
+    let kt = (tq >= 4).then(|| {
+        let mut kt = vec![0.0f32; d * tk16];
+        for (j, row) in k.chunks_exact(d).enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                kt[c * tk16 + j] = x;
+            }
+        }
+        kt
+    });
     for i in 0..tq {
         let qrow = &q[i * d..(i + 1) * d];
+        let mrow = &mask[i * tk..(i + 1) * tk];
+        // The 64-aligned span holding every visible key (all of it if none is visible).
+        let (lo, hi) = match (
+            mrow.iter().position(|&m| !m),
+            mrow.iter().rposition(|&m| !m),
+        ) {
+            (Some(first), Some(last)) => (first / 64 * 64, (last / 64 + 1) * 64),
+            _ => (0, n_pad),
+        };
         // Scores, scaled and masked, as ggml_soft_max sees its input row.
-        let mut max = f32::NEG_INFINITY;
-        for (j, pj) in p.iter_mut().enumerate() {
-            *pj = if j < tk && !mask[i * tk + j] {
-                vec_dot_f32(d, |c| k[j * d + c], |c| qrow[c]) * scale
-            } else {
-                f32::NEG_INFINITY
-            };
-            max = max.max(*pj);
+        let visible = |j: usize| j < tk && !mrow[j];
+        match &kt {
+            Some(kt) => {
+                for j0 in (lo..hi.min(tk16)).step_by(16) {
+                    let dots = vec_dot_f32_16keys(kt, tk16, j0, qrow);
+                    for (l, dot) in dots.into_iter().enumerate() {
+                        let j = j0 + l;
+                        p[j] = if visible(j) {
+                            dot * scale
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                    }
+                }
+                p[tk16.clamp(lo, hi)..hi].fill(f32::NEG_INFINITY);
+            }
+            None => {
+                for (j, pj) in p.iter_mut().enumerate().take(hi).skip(lo) {
+                    *pj = if visible(j) {
+                        vec_dot_f32(d, |c| k[j * d + c], |c| qrow[c]) * scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+            }
         }
+        let max = p[lo..hi].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let mut sum = 0.0f64;
-        for chunk in p.chunks_exact_mut(16) {
+        for chunk in p[lo..hi].chunks_exact_mut(16) {
             for e in chunk.iter_mut() {
                 *e = ggml_expf(*e - max);
             }
             sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
         }
         let inv = (1.0 / sum) as f32;
-        p.iter_mut().for_each(|e| *e *= inv);
-        for (c, o) in out[i * d..(i + 1) * d].iter_mut().enumerate() {
-            // Padding positions hold probability 0: they add nothing to any lane.
-            let vcol = |j: usize| if j < tk { v[j * d + c] } else { 0.0 };
-            *o = if tq == 1 {
-                vec_dot_f32(n_pad, vcol, |j| p[j])
-            } else {
-                let mut acc = [0.0f32; 16];
-                for l in (0..n_pad).step_by(16) {
-                    for (lane, a) in acc.iter_mut().enumerate() {
-                        *a = vcol(l + lane).mul_add(p[l + lane], *a);
-                    }
-                }
-                reduce_add16(&acc)
-            };
+        p[lo..hi].iter_mut().for_each(|e| *e *= inv);
+        acc.fill(0.0);
+        for (j, &pj) in p.iter().enumerate().take(hi.min(tk)).skip(lo) {
+            let lane = &mut acc[(j % lanes) * d..(j % lanes + 1) * d];
+            for (a, &vj) in lane.iter_mut().zip(&v[j * d..(j + 1) * d]) {
+                *a = vj.mul_add(pj, *a);
+            }
         }
+        let o = &mut out[i * d..(i + 1) * d];
+        let lane = |l: usize| &acc[l * d..(l + 1) * d];
+        if tq == 1 {
+            // vec_dot_f32's reduction: r[l] = (L[l] + L[32+l]) + (L[16+l] + L[48+l]), then
+            // reduce_add16(r); column by column, vectorized over columns.
+            let mut r = vec![0.0f32; 16 * d];
+            for l in 0..16 {
+                let (a, b, c, e) = (lane(l), lane(32 + l), lane(16 + l), lane(48 + l));
+                for (x, rv) in r[l * d..(l + 1) * d].iter_mut().enumerate() {
+                    *rv = (a[x] + b[x]) + (c[x] + e[x]);
+                }
+            }
+            reduce_add16_columns(&r, d, o);
+        } else {
+            reduce_add16_columns(&acc, d, o);
+        }
+    }
+}
+
+/// `vec_dot_f32(d, K[j], q)` for the 16 keys `j0..j0 + 16` of a transposed `kt[d][stride]`, each
+/// key in its own lane with exactly `vec_dot_f32`'s operations (vectorized over keys).
+#[inline(always)]
+fn vec_dot_f32_16keys(kt: &[f32], stride: usize, j0: usize, q: &[f32]) -> [f32; 16] {
+    let d = q.len();
+    let np = d / 64 * 64;
+    let key_lanes = |c: usize| -> &[f32; 16] {
+        (&kt[c * stride + j0..c * stride + j0 + 16])
+            .try_into()
+            .expect("16 keys")
+    };
+    // acc[c % 64][key]: vec_dot_f32's lane `c % 16` of accumulator `c / 16 % 4`.
+    let mut acc = [[0.0f32; 16]; 64];
+    for i in (0..np).step_by(64) {
+        for (c, a) in acc.iter_mut().enumerate() {
+            let (kc, qc) = (key_lanes(i + c), q[i + c]);
+            for l in 0..16 {
+                a[l] = kc[l].mul_add(qc, a[l]);
+            }
+        }
+    }
+    let add = |a: &[f32; 16], b: &[f32; 16]| -> [f32; 16] { std::array::from_fn(|l| a[l] + b[l]) };
+    // r[l] = (acc0[l] + acc2[l]) + (acc1[l] + acc3[l]), then GCC's reduce_add16 over l.
+    let r: [[f32; 16]; 16] = std::array::from_fn(|l| {
+        add(
+            &add(&acc[l], &acc[32 + l]),
+            &add(&acc[16 + l], &acc[48 + l]),
+        )
+    });
+    let t3: [[f32; 16]; 8] = std::array::from_fn(|i| add(&r[8 + i], &r[i]));
+    let t6: [[f32; 16]; 4] = std::array::from_fn(|i| add(&t3[4 + i], &t3[i]));
+    let mut sum = add(&add(&t6[0], &t6[2]), &add(&t6[1], &t6[3]));
+    for c in np..d {
+        let kc = key_lanes(c);
+        for l in 0..16 {
+            sum[l] = kc[l].mul_add(q[c], sum[l]);
+        }
+    }
+    sum
+}
+
+/// `reduce_add16` of each column of `lanes[16][d]` into `out[d]`, vectorized over columns.
+#[inline(always)]
+fn reduce_add16_columns(lanes: &[f32], d: usize, out: &mut [f32]) {
+    let l = |i: usize| &lanes[i * d..(i + 1) * d];
+    for (c, o) in out.iter_mut().enumerate() {
+        let t3: [f32; 8] = std::array::from_fn(|i| l(8 + i)[c] + l(i)[c]);
+        let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
+        *o = (t6[0] + t6[2]) + (t6[1] + t6[3]);
     }
 }
 
@@ -417,6 +530,9 @@ fn quantize_row_impl(x: &[f32]) -> QuantRow {
 // accumulated with one fused multiply-add by `d_w * d_x`; the 8 lanes are summed at the end in
 // ggml's `hsum_float_8` order. The scalar functions are the specification; the AVX2 ones compute
 // the same bits faster and are used when the CPU has AVX2 and FMA.
+
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 /// Which weight block format a dot product reads.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -660,15 +776,26 @@ impl Operands {
     fn run(self, format: Format) -> FlexTensor {
         let (m, k, n) = (self.m, self.k, self.n);
         let x = self.x.as_slice::<f32>().expect("checked in Operands::new");
-        let rows: Vec<QuantRow> = x.chunks_exact(k).map(quantize_row).collect();
         let bytes = self.word_bytes();
-        let row_bytes = bytes.len() / n;
         let scales = self.scales.as_slice::<f32>().expect("contiguous f32");
         let mins = self
             .mins
             .as_ref()
             .map(|t| t.as_slice::<f32>().expect("contiguous f32"))
             .unwrap_or(&[]);
+        #[cfg(target_arch = "x86_64")]
+        if vnni::available() {
+            let w = vnni::Weights {
+                bytes,
+                scales,
+                mins,
+                n,
+            };
+            let out = vnni::matmul(format, x, m, k, w);
+            return FlexTensor::from_data(TensorData::new(out, [m, n]));
+        }
+        let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
+        let row_bytes = bytes.len() / n;
         let blocks = k / BLOCK;
         let dot4 = dot4_impl();
         let weight = |j: usize| {
@@ -756,6 +883,110 @@ mod tests {
                     got.iter().all(|g| g.to_bits() == want.to_bits()),
                     "{got:?} vs {want}"
                 );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod attention_tests {
+    use super::*;
+
+    /// The specification: the straightforward loops over the whole padded key range (strided
+    /// reads of V), as first written from llama.cpp's ops.
+    fn attend_head_spec(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        mask: &[bool],
+        out: &mut [f32],
+        [tq, tk, d]: [usize; 3],
+        scale: f32,
+    ) {
+        let n_pad = tk.div_ceil(64) * 64;
+        let mut p = vec![0.0f32; n_pad];
+        for i in 0..tq {
+            let qrow = &q[i * d..(i + 1) * d];
+            let mut max = f32::NEG_INFINITY;
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = if j < tk && !mask[i * tk + j] {
+                    vec_dot_f32(d, |c| k[j * d + c], |c| qrow[c]) * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+                max = max.max(*pj);
+            }
+            let mut sum = 0.0f64;
+            for chunk in p.chunks_exact_mut(16) {
+                for e in chunk.iter_mut() {
+                    *e = ggml_expf(*e - max);
+                }
+                sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            p.iter_mut().for_each(|e| *e *= inv);
+            for (c, o) in out[i * d..(i + 1) * d].iter_mut().enumerate() {
+                let vcol = |j: usize| if j < tk { v[j * d + c] } else { 0.0 };
+                *o = if tq == 1 {
+                    vec_dot_f32(n_pad, vcol, |j| p[j])
+                } else {
+                    let mut acc = [0.0f32; 16];
+                    for l in (0..n_pad).step_by(16) {
+                        for (lane, a) in acc.iter_mut().enumerate() {
+                            *a = vcol(l + lane).mul_add(p[l + lane], *a);
+                        }
+                    }
+                    reduce_add16(&acc)
+                };
+            }
+        }
+    }
+
+    /// The key-major, visible-span attention gives the specification's bits: decode and prefill,
+    /// with and without a cache offset and a window, head widths that are and are not multiples
+    /// of 16, key counts on both sides of the 64-key blocks.
+    #[test]
+    fn attention_is_bit_identical_to_spec() {
+        let mut seed = 5u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        for d in [64usize, 24, 80] {
+            for (tq, past) in [
+                (1usize, 0usize),
+                (1, 70),
+                (1, 130),
+                (5, 0),
+                (37, 0),
+                (9, 120),
+                (70, 3),
+            ] {
+                for window in [None, Some(50)] {
+                    let tk = tq + past;
+                    let q: Vec<f32> = (0..tq * d).map(|_| next() * 3.0).collect();
+                    let k: Vec<f32> = (0..tk * d).map(|_| next() * 3.0).collect();
+                    let v: Vec<f32> = (0..tk * d).map(|_| next()).collect();
+                    let o = AttentionOptions {
+                        scale: 1.0 / (d as f32).sqrt(),
+                        q_offset: past,
+                        window,
+                        softcap: None,
+                    };
+                    let mask = reference::causal_mask(tq, tk, &o);
+                    let (mut got, mut want) = (vec![0.0f32; tq * d], vec![0.0f32; tq * d]);
+                    attend_head(&q, &k, &v, &mask, &mut got, [tq, tk, d], o.scale);
+                    attend_head_spec(&q, &k, &v, &mask, &mut want, [tq, tk, d], o.scale);
+                    for (x, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "d={d} tq={tq} past={past} window={window:?} [{x}]: {g} vs {w}"
+                        );
+                    }
+                }
             }
         }
     }

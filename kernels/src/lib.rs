@@ -54,6 +54,12 @@ pub struct AttentionOptions {
 /// quants as little-endian u32 words (`DType::U32`, shape `[n, k / per_word]`), `scales` the
 /// per-block scales as f32 (shape `[n, k / 32]`).
 pub trait ToyBackend: Backend {
+    /// Run `f`, a forward pass, where this backend's parallel ops start cheapest. The default
+    /// runs it in place.
+    fn run_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q8_0 weight `W`.
     fn q8_0_matmul(
         x: FloatTensor<Self>,

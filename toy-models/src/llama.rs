@@ -479,7 +479,7 @@ impl<B: ToyBackend> Transformer<B> {
 
     /// The output head (and gemma2's final soft-cap) on final hidden states.
     pub fn logits<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
-        let logits = self.output.forward(h);
+        let logits = B::run_pass(|| self.output.forward(h));
         match self.final_softcap {
             Some(cap) => softcap(logits, cap),
             None => logits,

@@ -1,0 +1,538 @@
+//! The quantized matmuls on CPUs with AVX-512 VNNI: the same per-output arithmetic as
+//! `dot_scalar` (ggml's), with the loops reordered so that each loaded weight block serves several
+//! activation rows (prefill) and each instruction serves two outputs.
+//!
+//! What stays fixed per output `(i, j)`: the 8 lanes of exact integer sums of 4 products per
+//! block, one `fma(d_w * d_x, lane, acc)` per block in block order, `hsum_float_8`, then Q4_1's
+//! `+ Σ fma(m_w, s_x)`. Integer sums are exact whichever instruction forms them, so they are taken
+//! with `vpdpbusd` (unsigned × signed bytes, 4 products per i32 lane): the weight is made unsigned
+//! by an offset (`w + 128` for Q8_0; Q4_0's nibbles are already `w + 8`) and the offset's
+//! contribution, `-offset · Σx` over the lane's 4 activations, is the lane's starting value.
+//!
+//! A 512-bit register holds two outputs' 8 lanes: two activation rows against one weight row
+//! (`Pairs`, prefill) or two weight rows against one activation row (`rows2`, decode). Lanes never
+//! mix, so each output sees exactly the scalar specification's operations in its order.
+
+use std::arch::x86_64::*;
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::Format;
+use crate::quant::BLOCK;
+
+/// Can this CPU run this module's kernels?
+pub(super) fn available() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("fma")
+}
+
+/// One block of two activation rows, as the kernels read it.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct PairBlock {
+    /// The two rows' 32 quants, side by side.
+    q: [i8; 64],
+    /// Per i32 lane: `-offset · Σ` of the lane's 4 quants (see the module doc).
+    bias: [i32; 16],
+    /// The rows' scales, each repeated over its 8 lanes.
+    d: [f32; 16],
+}
+
+/// Activations quantized to ggml's Q8_0 / Q8_1 blocks, rows taken two at a time (an odd last
+/// row is paired with itself; its twin is computed and not stored).
+struct Pairs {
+    m: usize,
+    blocks: usize,
+    /// `[pair][block]`.
+    data: Vec<PairBlock>,
+    /// Q8_1's `f16(d · Σq)` (what Q4_1's mins multiply), `[block][row]`, rows padded to a
+    /// multiple of 8 with zeros.
+    sums: Vec<f32>,
+    rows_padded: usize,
+}
+
+/// How much the weight's unsigned form exceeds its value.
+fn offset(format: Format) -> i32 {
+    match format {
+        Format::Q8_0 => 128,
+        Format::Q4_0 => 8,
+        Format::Q4_1 => 0,
+    }
+}
+
+/// ggml's `quantize_row_q8_0`/`q8_1` on one block (see `quantize_row_impl`, the specification):
+/// the quants, `f16(amax / 127)`, the 8 lane sums of 4 quants, and `f16(d · Σq)`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+fn quantize_block(x: &[f32]) -> ([i8; 32], f32, [i32; 8], f32) {
+    assert_eq!(x.len(), BLOCK);
+    // SAFETY: x holds 32 floats (asserted); the stores write local arrays of the stored size.
+    unsafe {
+        let a = _mm512_loadu_ps(x.as_ptr());
+        let b = _mm512_loadu_ps(x.as_ptr().add(16));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        let d = amax / 127.0;
+        let id = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        // Round half to even (`vrndscaleps` mode 0), then the exact conversion of small integers.
+        let qa = _mm512_cvtps_epi32(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(a, id)));
+        let qb = _mm512_cvtps_epi32(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(b, id)));
+        let mut q = [0i8; 32];
+        _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(
+            q.as_mut_ptr().add(16) as *mut __m128i,
+            _mm512_cvtsepi32_epi8(qb),
+        );
+        let qv = _mm256_loadu_si256(q.as_ptr() as *const __m256i);
+        let lanes = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), qv);
+        let mut s4 = [0i32; 8];
+        _mm256_storeu_si256(s4.as_mut_ptr() as *mut __m256i, lanes);
+        let sum: i32 = s4.iter().sum();
+        let s = f16::from_f32(d * sum as f32).to_f32();
+        (q, f16::from_f32(d).to_f32(), s4, s)
+    }
+}
+
+impl Pairs {
+    fn quantize(x: &[f32], m: usize, k: usize, format: Format) -> Pairs {
+        let blocks = k / BLOCK;
+        let pairs = m.div_ceil(2);
+        let rows_padded = (2 * pairs).div_ceil(8) * 8;
+        let off = offset(format);
+        let empty = PairBlock {
+            q: [0; 64],
+            bias: [0; 16],
+            d: [0.0; 16],
+        };
+        let mut data = vec![empty; pairs * blocks];
+        let mut pair_sums = vec![[0.0f32; 2]; pairs * blocks];
+        let work = |(p, (dst, sums)): (usize, (&mut [PairBlock], &mut [[f32; 2]]))| {
+            for half in 0..2 {
+                let i = (2 * p + half).min(m - 1);
+                let row = &x[i * k..(i + 1) * k];
+                for (b, (blk, s)) in dst.iter_mut().zip(sums.iter_mut()).enumerate() {
+                    // SAFETY: `available()` was checked before any `Pairs` is built.
+                    let (q, d, s4, sum) =
+                        unsafe { quantize_block(&row[b * BLOCK..(b + 1) * BLOCK]) };
+                    blk.q[32 * half..32 * half + 32].copy_from_slice(&q);
+                    for l in 0..8 {
+                        blk.bias[8 * half + l] = -off * s4[l];
+                        blk.d[8 * half + l] = d;
+                    }
+                    s[half] = sum;
+                }
+            }
+        };
+        if pairs > 1 {
+            data.par_chunks_mut(blocks)
+                .zip(pair_sums.par_chunks_mut(blocks))
+                .enumerate()
+                .for_each(work);
+        } else {
+            work((0, (&mut data, &mut pair_sums)));
+        }
+        let mut sums = Vec::new();
+        if format == Format::Q4_1 {
+            sums = vec![0.0f32; blocks * rows_padded];
+            for i in 0..m {
+                for b in 0..blocks {
+                    sums[b * rows_padded + i] = pair_sums[(i / 2) * blocks + b][i % 2];
+                }
+            }
+        }
+        Pairs {
+            m,
+            blocks,
+            data,
+            sums,
+            rows_padded,
+        }
+    }
+}
+
+/// The weight operands of one matmul.
+#[derive(Clone, Copy)]
+pub(super) struct Weights<'a> {
+    pub bytes: &'a [u8],
+    pub scales: &'a [f32],
+    /// Q4_1's per-block offsets (empty otherwise).
+    pub mins: &'a [f32],
+    /// Output columns (weight rows).
+    pub n: usize,
+}
+
+/// `[u8; 64]` of weight block `b` of row `j` placed in both 256-bit halves, unsigned.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+unsafe fn weight_both_halves<const F: usize>(p: *const u8) -> __m512i {
+    unsafe {
+        if F == 0 {
+            let w = _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_xor_si512(w, _mm512_set1_epi8(0x80u8 as i8))
+        } else {
+            // Low nibbles are elements 0..16, high nibbles 16..32.
+            let v = _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i));
+            let hi = _mm512_srli_epi16::<4>(v);
+            _mm512_and_si512(
+                _mm512_mask_blend_epi64(0b1100_1100, v, hi),
+                _mm512_set1_epi8(0x0F),
+            )
+        }
+    }
+}
+
+/// Weight block `b` of two rows, one per 256-bit half, unsigned.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+unsafe fn weight_two_rows<const F: usize>(a: *const u8, b: *const u8) -> __m512i {
+    unsafe {
+        if F == 0 {
+            let w = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)),
+                _mm256_loadu_si256(b as *const __m256i),
+            );
+            _mm512_xor_si512(w, _mm512_set1_epi8(0x80u8 as i8))
+        } else {
+            let v = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+                    a as *const __m128i,
+                ))),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(b as *const __m128i)),
+            );
+            let hi = _mm512_srli_epi16::<4>(v);
+            _mm512_and_si512(
+                _mm512_mask_blend_epi64(0b1100_1100, v, hi),
+                _mm512_set1_epi8(0x0F),
+            )
+        }
+    }
+}
+
+/// ggml's `hsum_float_8` of each 256-bit half: `(a[i] + a[i+4])`, then `(r0 + r2) + (r1 + r3)`
+/// (float addition is commutative, so the shuffled operand order gives the same bits).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+unsafe fn hsum8_halves(acc: __m512) -> [f32; 2] {
+    let r = _mm512_add_ps(acc, _mm512_shuffle_f32x4::<0b10_11_00_01>(acc, acc));
+    let r = _mm512_add_ps(r, _mm512_permute_ps::<0b01_00_11_10>(r));
+    let r = _mm512_add_ps(r, _mm512_permute_ps::<0b10_11_00_01>(r));
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: `lanes` holds 16 floats.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), r) };
+    [lanes[0], lanes[8]]
+}
+
+/// Where a tile's outputs go: `out[i * n + j]`, written by several threads at disjoint columns.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    m: usize,
+    n: usize,
+}
+// SAFETY: tasks write disjoint column ranges of the buffer, which outlives the parallel loop.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+/// Output columns `j0..j0 + RM` (clamped: past `n` the last column is recomputed and not
+/// stored) against activation pairs `p0..p0 + RP`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+unsafe fn tile_pairs<const F: usize, const RM: usize, const RP: usize>(
+    x: &Pairs,
+    w: &Weights,
+    j0: usize,
+    p0: usize,
+    out: Out,
+) {
+    let blocks = x.blocks;
+    let bb = if F == 0 { BLOCK } else { BLOCK / 2 };
+    let cols: [usize; RM] = std::array::from_fn(|r| (j0 + r).min(w.n - 1));
+    assert!(p0 + RP <= x.data.len() / blocks);
+    assert!(w.bytes.len() >= w.n * blocks * bb && w.scales.len() >= w.n * blocks);
+    assert!(F != 2 || (w.mins.len() >= w.n * blocks && 2 * p0 + 8 <= x.rows_padded));
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); RP]; RM];
+        let mut mins = [_mm256_setzero_ps(); RM];
+        let xs = x.data.as_ptr().add(p0 * blocks);
+        for b in 0..blocks {
+            let mut wv = [_mm512_setzero_si512(); RM];
+            let mut sw = [_mm512_setzero_ps(); RM];
+            for r in 0..RM {
+                wv[r] = weight_both_halves::<F>(w.bytes.as_ptr().add((cols[r] * blocks + b) * bb));
+                sw[r] = _mm512_set1_ps(*w.scales.get_unchecked(cols[r] * blocks + b));
+            }
+            for pp in 0..RP {
+                let blk = &*xs.add(pp * blocks + b);
+                let xq = _mm512_load_si512(blk.q.as_ptr() as *const __m512i);
+                let bias = _mm512_load_si512(blk.bias.as_ptr() as *const __m512i);
+                let xd = _mm512_load_ps(blk.d.as_ptr());
+                for r in 0..RM {
+                    let q = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bias, wv[r], xq));
+                    acc[r][pp] = _mm512_fmadd_ps(_mm512_mul_ps(sw[r], xd), q, acc[r][pp]);
+                }
+            }
+            if F == 2 {
+                let s = _mm256_loadu_ps(x.sums.as_ptr().add(b * x.rows_padded + 2 * p0));
+                for r in 0..RM {
+                    let mw = _mm256_set1_ps(*w.mins.get_unchecked(cols[r] * blocks + b));
+                    mins[r] = _mm256_fmadd_ps(mw, s, mins[r]);
+                }
+            }
+        }
+        for r in 0..RM {
+            if j0 + r >= w.n {
+                break;
+            }
+            let mut m8 = [0.0f32; 8];
+            _mm256_storeu_ps(m8.as_mut_ptr(), mins[r]);
+            for pp in 0..RP {
+                let y = hsum8_halves(acc[r][pp]);
+                for (h, y) in y.into_iter().enumerate() {
+                    let i = 2 * (p0 + pp) + h;
+                    if i < out.m {
+                        let v = if F == 2 { y + m8[2 * pp + h] } else { y };
+                        *out.ptr.add(i * out.n + j0 + r) = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Output columns `j0..j0 + 2 * RR` (clamped as in `tile_pairs`) for a single activation row,
+/// two weight rows per register.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+unsafe fn tile_rows2<const F: usize, const RR: usize>(x: &Pairs, w: &Weights, j0: usize, out: Out) {
+    let blocks = x.blocks;
+    let bb = if F == 0 { BLOCK } else { BLOCK / 2 };
+    let cols: [[usize; 2]; RR] =
+        std::array::from_fn(|r| [(j0 + 2 * r).min(w.n - 1), (j0 + 2 * r + 1).min(w.n - 1)]);
+    assert!(x.data.len() >= blocks);
+    assert!(w.bytes.len() >= w.n * blocks * bb && w.scales.len() >= w.n * blocks);
+    assert!(F != 2 || (w.mins.len() >= w.n * blocks && x.sums.len() >= blocks * x.rows_padded));
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); RR];
+        let mut mins = [[0.0f32; 2]; RR];
+        for b in 0..blocks {
+            // The activation row is paired with itself: both halves hold it.
+            let blk = x.data.get_unchecked(b);
+            let xq = _mm512_load_si512(blk.q.as_ptr() as *const __m512i);
+            let bias = _mm512_load_si512(blk.bias.as_ptr() as *const __m512i);
+            let xd = _mm512_load_ps(blk.d.as_ptr());
+            for r in 0..RR {
+                let [ja, jb] = cols[r];
+                let wv = weight_two_rows::<F>(
+                    w.bytes.as_ptr().add((ja * blocks + b) * bb),
+                    w.bytes.as_ptr().add((jb * blocks + b) * bb),
+                );
+                let sw = _mm512_mask_blend_ps(
+                    0xFF00,
+                    _mm512_set1_ps(*w.scales.get_unchecked(ja * blocks + b)),
+                    _mm512_set1_ps(*w.scales.get_unchecked(jb * blocks + b)),
+                );
+                let q = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bias, wv, xq));
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sw, xd), q, acc[r]);
+                if F == 2 {
+                    let s = *x.sums.get_unchecked(b * x.rows_padded);
+                    for (h, j) in [ja, jb].into_iter().enumerate() {
+                        mins[r][h] = w.mins.get_unchecked(j * blocks + b).mul_add(s, mins[r][h]);
+                    }
+                }
+            }
+        }
+        for r in 0..RR {
+            let y = hsum8_halves(acc[r]);
+            for h in 0..2 {
+                let j = j0 + 2 * r + h;
+                if j < w.n {
+                    *out.ptr.add(j) = if F == 2 { y[h] + mins[r][h] } else { y[h] };
+                }
+            }
+        }
+    }
+}
+
+/// Weight rows per tile (prefill) and activation pairs per tile.
+const RM: usize = 4;
+const RP: usize = 4;
+/// Output columns per parallel task.
+const TASK_COLS: usize = 16;
+
+/// `y[m, n] = x[m, k] · Wᵀ` for a quantized `W`, every output bit-identical to `dot_scalar`.
+/// The caller checks `available()`.
+pub(super) fn matmul(format: Format, x: &[f32], m: usize, k: usize, w: Weights) -> Vec<f32> {
+    assert!(available());
+    let pairs = Pairs::quantize(x, m, k, format);
+    let mut y = vec![0.0f32; m * w.n];
+    let out = Out {
+        ptr: y.as_mut_ptr(),
+        m,
+        n: w.n,
+    };
+    let task = |t: usize| {
+        let (c0, c1) = (t * TASK_COLS, ((t + 1) * TASK_COLS).min(w.n));
+        // SAFETY: the CPU has the features (asserted above); tiles stay inside the operands
+        // (asserted in the tiles) and each task writes only its columns c0..c1 of `y`.
+        unsafe {
+            match format {
+                Format::Q8_0 => columns::<0>(&pairs, &w, c0, c1, out),
+                Format::Q4_0 => columns::<1>(&pairs, &w, c0, c1, out),
+                Format::Q4_1 => columns::<2>(&pairs, &w, c0, c1, out),
+            }
+        }
+    };
+    (0..w.n.div_ceil(TASK_COLS)).into_par_iter().for_each(task);
+    y
+}
+
+/// Columns `c0..c1` of the output for every activation row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn columns<const F: usize>(x: &Pairs, w: &Weights, c0: usize, c1: usize, out: Out) {
+    // Past c1 the tiles recompute the last column of the whole matrix (not stored); inside the
+    // task, a tile that crosses c1 must not write into the next task's columns.
+    let w_task = Weights { n: c1, ..*w };
+    let pairs = x.m.div_ceil(2);
+    unsafe {
+        if x.m == 1 {
+            for j in (c0..c1).step_by(8) {
+                tile_rows2::<F, 4>(x, &w_task, j, out);
+            }
+            return;
+        }
+        for j in (c0..c1).step_by(RM) {
+            let mut p = 0;
+            while p + RP <= pairs {
+                tile_pairs::<F, RM, RP>(x, &w_task, j, p, out);
+                p += RP;
+            }
+            match pairs - p {
+                1 => tile_pairs::<F, RM, 1>(x, &w_task, j, p, out),
+                2 => tile_pairs::<F, RM, 2>(x, &w_task, j, p, out),
+                3 => tile_pairs::<F, RM, 3>(x, &w_task, j, p, out),
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{dot_scalar, quantize_row_impl};
+    use super::*;
+
+    fn rng(seed: u64) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        }
+    }
+
+    /// Quantization: the same quants, scales and Q8_1 sums as the scalar specification, including
+    /// all-zero blocks and exact halves (ties).
+    #[test]
+    fn quantize_block_is_bit_identical_to_scalar() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI on this CPU: nothing to compare");
+            return;
+        }
+        let mut next = rng(7);
+        for case in 0..200 {
+            let x: Vec<f32> = (0..BLOCK)
+                .map(|i| match case % 4 {
+                    0 => 0.0,
+                    // amax 127 makes the scale 1: the .5 values are ties.
+                    1 if i == 0 => 127.0,
+                    1 => i as f32 * if i % 2 == 0 { 1.0 } else { -1.0 } - 0.5,
+                    _ => next() as f32 / u32::MAX as f32 * 6.0 - 3.0,
+                })
+                .collect();
+            let want = quantize_row_impl(&x);
+            let (q, d, s4, s) = unsafe { quantize_block(&x) };
+            assert_eq!(&q[..], &want.quants[..], "case {case}");
+            assert_eq!(d.to_bits(), want.scales[0].to_bits());
+            assert_eq!(s.to_bits(), want.sums[0].to_bits());
+            for (l, s) in s4.iter().enumerate() {
+                let lane: i32 = want.quants[4 * l..4 * l + 4]
+                    .iter()
+                    .map(|&q| q as i32)
+                    .sum();
+                assert_eq!(*s, lane);
+            }
+        }
+    }
+
+    /// Every output of the tiled kernels equals `dot_scalar` to the bit, for row counts that are
+    /// not multiples of the tile (m = 1..=9), column counts that are not multiples of the tile
+    /// or the task, and several K.
+    #[test]
+    fn tiled_matmul_is_bit_identical_to_scalar() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI on this CPU: nothing to compare");
+            return;
+        }
+        let mut next = rng(11);
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+            for blocks in [1usize, 3, 18] {
+                let k = blocks * BLOCK;
+                for n in [1usize, 3, 7, 17, 37] {
+                    let bytes: Vec<u8> = (0..n * blocks * format.block_bytes())
+                        .map(|_| next() as u8)
+                        .collect();
+                    let scales: Vec<f32> = (0..n * blocks)
+                        .map(|_| f16::from_f32(next() as f32 / u32::MAX as f32 * 0.1).to_f32())
+                        .collect();
+                    let mins: Vec<f32> = if format == Format::Q4_1 {
+                        (0..n * blocks)
+                            .map(|_| f16::from_f32(next() as f32 / u32::MAX as f32 - 0.5).to_f32())
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let w = Weights {
+                        bytes: &bytes,
+                        scales: &scales,
+                        mins: &mins,
+                        n,
+                    };
+                    for m in 1..=9 {
+                        let x: Vec<f32> = (0..m * k)
+                            .map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0)
+                            .collect();
+                        let got = matmul(format, &x, m, k, w);
+                        let bb = format.block_bytes() * blocks;
+                        for i in 0..m {
+                            let row = quantize_row_impl(&x[i * k..(i + 1) * k]);
+                            for j in 0..n {
+                                let mn = if mins.is_empty() {
+                                    &[][..]
+                                } else {
+                                    &mins[j * blocks..(j + 1) * blocks]
+                                };
+                                let want = dot_scalar(
+                                    format,
+                                    &row,
+                                    &bytes[j * bb..(j + 1) * bb],
+                                    &scales[j * blocks..(j + 1) * blocks],
+                                    mn,
+                                );
+                                assert_eq!(
+                                    got[i * n + j].to_bits(),
+                                    want.to_bits(),
+                                    "{} m={m} n={n} k={k} ({i}, {j}): {} vs {want}",
+                                    format.block_bytes(),
+                                    got[i * n + j],
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
