@@ -479,55 +479,64 @@ fn check_grads<B: ToyBackend>() {
     let g = (y * float::<Ref, 4>(r, shape, &dr)).sum().backward();
     close("rope dX", &got, &host(xr.grad(&g).unwrap()), 1e-6);
 
-    // Attention: GQA 3, 4 new rows over a cache of 9, window 6, soft-cap.
-    let (b, h, hkv, tq, tk, dim) = (1, 6, 2, 4, 9, 16);
-    let o = AttentionOptions {
-        scale: 0.25,
-        q_offset: tk - tq,
-        window: Some(6),
-        softcap: Some(2.0),
-    };
-    let (qs, ks) = ([b, h, tq, dim], [b, hkv, tk, dim]);
-    let (q, k, v) = (
-        randn(b * h * tq * dim, 8),
-        randn(b * hkv * tk * dim, 9),
-        randn(b * hkv * tk * dim, 10),
-    );
-    let r = randn(b * h * tq * dim, 11);
-    let (qt, kt, vt) = (
-        float::<Autodiff<B>, 4>(q.clone(), qs, &d).require_grad(),
-        float::<Autodiff<B>, 4>(k.clone(), ks, &d).require_grad(),
-        float::<Autodiff<B>, 4>(v.clone(), ks, &d).require_grad(),
-    );
-    let y = Tensor::<Autodiff<B>, 4>::from_primitive(TensorPrimitive::Float(
-        <Autodiff<B> as ToyBackend>::attention(
-            qt.clone().into_primitive().tensor(),
-            kt.clone().into_primitive().tensor(),
-            vt.clone().into_primitive().tensor(),
-            o,
-        ),
-    ));
-    let g = (y * float::<Autodiff<B>, 4>(r.clone(), qs, &d))
-        .sum()
-        .backward();
-    let got: Vec<Vec<f32>> = [&qt, &kt, &vt].iter().map(|t| grad_of(t, &g)).collect();
-    let (qr, kr, vr) = (
-        float::<Ref, 4>(q, qs, &dr).require_grad(),
-        float::<Ref, 4>(k, ks, &dr).require_grad(),
-        float::<Ref, 4>(v, ks, &dr).require_grad(),
-    );
-    let y = Tensor::<Ref, 4>::from_primitive(TensorPrimitive::Float(reference::attention::<Ref>(
-        qr.clone().into_primitive().tensor(),
-        kr.clone().into_primitive().tensor(),
-        vr.clone().into_primitive().tensor(),
-        o,
-    )));
-    let g = (y * float::<Ref, 4>(r, qs, &dr)).sum().backward();
-    for (name, (got, want)) in ["dQ", "dK", "dV"].iter().zip(
-        got.iter()
-            .zip([&qr, &kr, &vr].map(|t| host(t.grad(&g).unwrap()))),
-    ) {
-        close(&format!("attention {name}"), got, &want, 1e-5);
+    // Attention: GQA 3, 4 new rows over a cache of 9, window 6, soft-cap (one backward chunk);
+    // 150 rows (chunks of 64, 64, 22) with GQA 2 and a window of 40 that starts later chunks'
+    // keys past 0; 150 rows over a cache of 20 with a soft-cap and no window.
+    for (h, hkv, tq, tk, dim, window, softcap) in [
+        (6, 2, 4, 9, 16, Some(6), Some(2.0)),
+        (4, 2, 150, 150, 8, Some(40), None),
+        (2, 1, 150, 170, 8, None, Some(3.0)),
+    ] {
+        let b = 1;
+        let o = AttentionOptions {
+            scale: 0.25,
+            q_offset: tk - tq,
+            window,
+            softcap,
+        };
+        let (qs, ks) = ([b, h, tq, dim], [b, hkv, tk, dim]);
+        let (q, k, v) = (
+            randn(b * h * tq * dim, 8),
+            randn(b * hkv * tk * dim, 9),
+            randn(b * hkv * tk * dim, 10),
+        );
+        let r = randn(b * h * tq * dim, 11);
+        let (qt, kt, vt) = (
+            float::<Autodiff<B>, 4>(q.clone(), qs, &d).require_grad(),
+            float::<Autodiff<B>, 4>(k.clone(), ks, &d).require_grad(),
+            float::<Autodiff<B>, 4>(v.clone(), ks, &d).require_grad(),
+        );
+        let y = Tensor::<Autodiff<B>, 4>::from_primitive(TensorPrimitive::Float(
+            <Autodiff<B> as ToyBackend>::attention(
+                qt.clone().into_primitive().tensor(),
+                kt.clone().into_primitive().tensor(),
+                vt.clone().into_primitive().tensor(),
+                o,
+            ),
+        ));
+        let g = (y * float::<Autodiff<B>, 4>(r.clone(), qs, &d))
+            .sum()
+            .backward();
+        let got: Vec<Vec<f32>> = [&qt, &kt, &vt].iter().map(|t| grad_of(t, &g)).collect();
+        let (qr, kr, vr) = (
+            float::<Ref, 4>(q, qs, &dr).require_grad(),
+            float::<Ref, 4>(k, ks, &dr).require_grad(),
+            float::<Ref, 4>(v, ks, &dr).require_grad(),
+        );
+        let y =
+            Tensor::<Ref, 4>::from_primitive(TensorPrimitive::Float(reference::attention::<Ref>(
+                qr.clone().into_primitive().tensor(),
+                kr.clone().into_primitive().tensor(),
+                vr.clone().into_primitive().tensor(),
+                o,
+            )));
+        let g = (y * float::<Ref, 4>(r, qs, &dr)).sum().backward();
+        for (name, (got, want)) in ["dQ", "dK", "dV"].iter().zip(
+            got.iter()
+                .zip([&qr, &kr, &vr].map(|t| host(t.grad(&g).unwrap()))),
+        ) {
+            close(&format!("attention {name} (T = {tq})"), got, &want, 1e-5);
+        }
     }
 }
 
