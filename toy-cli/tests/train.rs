@@ -343,7 +343,19 @@ fn eval_matches_llama_cpp_nll_on_smollm2_f32() {
 fn llama_cpp_runs_a_toy_checkpoint_to_the_same_greedy_tokens() {
     // `fixtures/corpus/trained/model.gguf` is a `toy train` checkpoint; llama.cpp's greedy tokens
     // for it were recorded by `make_trained.sh` (llama.cpp loads the file as a plain llama model).
-    let dir = root().join("fixtures/corpus/trained");
+    same_greedy_tokens_as_llama_cpp(&root().join("fixtures/corpus/trained"));
+}
+
+#[test]
+fn llama_cpp_runs_a_toy_gpt2_checkpoint_to_the_same_greedy_tokens() {
+    // `fixtures/corpus/trained-gpt2/model.gguf` is a `toy train --arch gpt2` checkpoint, which
+    // llama.cpp loads as its `gpt2` architecture (`make_trained.sh` there).
+    same_greedy_tokens_as_llama_cpp(&root().join("fixtures/corpus/trained-gpt2"));
+}
+
+/// `toy infer` gives llama.cpp's prompt ids and 32 greedy ids for every prompt recorded in
+/// `dir/llamacpp_greedy.json`.
+fn same_greedy_tokens_as_llama_cpp(dir: &Path) {
     let oracle: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("llamacpp_greedy.json")).unwrap())
             .unwrap();
@@ -377,6 +389,8 @@ fn train_refuses_bad_settings_before_creating_a_run() {
         (&["--seq-len", "512"][..], "longer than the model's context"),
         (&["--lr", "0"][..], "learning rate"),
         (&["--data", "/nonexistent/file.txt"][..], "does not exist"),
+        (&["--arch", "gpt2", "--kv-heads", "2"][..], "kv heads"),
+        (&["--recipe", "warm-start"][..], "needs --donor"),
     ] {
         let out = toy(&[&["train", "--runs-dir", runs_s, "--run-id", "r"], args].concat());
         let stderr = String::from_utf8_lossy(&out.stderr);
