@@ -45,6 +45,9 @@ pub struct Adapter {
     pub tensors: Vec<AdapterTensor>,
 }
 
+/// A pair of adapter tensors being read: `A`, `B`, and `[rank, in, out]`.
+type HalfRead = (Option<Vec<f32>>, Option<Vec<f32>>, [usize; 3]);
+
 /// Head counts of the base, for the Q/K row permutation.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -226,8 +229,8 @@ impl Adapter {
             .flatten()
             .ok_or_else(|| bad("the adapter has no adapter.lora.alpha".into()))?
             as f32;
-        let mut pairs: BTreeMap<(usize, Target), (Option<Vec<f32>>, Option<Vec<f32>>, [usize; 3])> =
-            BTreeMap::new();
+        // (layer, target) -> (A, B, [rank, in, out]) as the tensors come.
+        let mut pairs: BTreeMap<(usize, Target), HalfRead> = BTreeMap::new();
         for info in &file.tensors {
             let name = &info.name;
             let (stem, is_a) = if let Some(s) = name.strip_suffix(".weight.lora_a") {
@@ -393,7 +396,7 @@ fn safetensors_bytes(entries: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
     }
     let mut json = serde_json::to_vec(&serde_json::Value::Object(header)).expect("serializes");
     // The header is padded with spaces to a multiple of 8 bytes (the data stays aligned).
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + json.len() + offset);

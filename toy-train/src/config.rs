@@ -408,7 +408,8 @@ impl LoraSettings {
         if targets.is_empty() {
             return Err(TrainError::Config("no LoRA targets given".into()));
         }
-        if self.rank == 0 || !(self.alpha > 0.0) || !(0.0..1.0).contains(&self.dropout) {
+        let alpha_positive = self.alpha > 0.0; // false for NaN too
+        if self.rank == 0 || !alpha_positive || !(0.0..1.0).contains(&self.dropout) {
             return Err(TrainError::Config(
                 "LoRA rank and alpha must be positive and dropout in [0, 1)".into(),
             ));
