@@ -4,21 +4,15 @@
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
+use toy_core::rng::SplitMix64;
 use toy_kernels::quant::{PackedWeight, pack_q4_0, pack_q4_1, pack_q8_0};
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
 fn randn(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
+    let mut rng = SplitMix64::new(seed);
     (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
+        .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         .collect()
 }
 

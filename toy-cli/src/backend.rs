@@ -43,26 +43,23 @@ pub enum FloatKind {
     F16,
 }
 
-/// The float type chosen on the command line, set once by `main` before any backend starts.
-static FLOAT_KIND: std::sync::OnceLock<FloatKind> = std::sync::OnceLock::new();
-
-/// Record `--dtype` for every later [`dispatch`].
-pub fn set_float_kind(kind: FloatKind) {
-    FLOAT_KIND
-        .set(kind)
-        .expect("set_float_kind is called once, by main");
+/// Where a command computes and in which float type: `--backend` and `--dtype`.
+#[derive(Debug, Clone, Copy)]
+pub struct Compute {
+    pub backend: BackendKind,
+    pub dtype: FloatKind,
 }
 
-fn float_kind() -> FloatKind {
-    FLOAT_KIND.get().copied().unwrap_or(FloatKind::F32)
-}
-
-/// Make `device` create f16 float tensors when `--dtype f16` was given, before any tensor exists
-/// on it (burn's per-device dtype policy: every `from_data`/`zeros` without an explicit dtype
-/// then gives f16, so the model code stays the same).
-fn apply_float_kind<B: ToyBackend>(device: &B::Device, backend: &str) -> Result<()> {
+/// Make `device` create f16 float tensors for `--dtype f16`, before any tensor exists on it
+/// (burn's per-device dtype policy: every `from_data`/`zeros` without an explicit dtype then
+/// gives f16, so the model code stays the same).
+fn apply_float_kind<B: ToyBackend>(
+    device: &B::Device,
+    dtype: FloatKind,
+    backend: &str,
+) -> Result<()> {
     use burn::tensor::{DType, Element, FloatDType, set_default_dtypes};
-    if float_kind() == FloatKind::F32 {
+    if dtype == FloatKind::F32 {
         return Ok(());
     }
     if !B::supports_dtype(device, DType::F16) {
@@ -81,8 +78,12 @@ pub trait BackendJob {
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<Self::Output>;
 }
 
-pub fn dispatch<J: BackendJob>(kind: BackendKind, job: J) -> Result<J::Output> {
-    if float_kind() == FloatKind::F16 && matches!(kind, BackendKind::Cpu | BackendKind::Ndarray) {
+pub fn dispatch<J: BackendJob>(compute: Compute, job: J) -> Result<J::Output> {
+    let Compute {
+        backend: kind,
+        dtype,
+    } = compute;
+    if dtype == FloatKind::F16 && matches!(kind, BackendKind::Cpu | BackendKind::Ndarray) {
         bail!(
             "--dtype f16 is for the GPU backends (wgpu, metal, cuda); --backend {} computes in f32",
             kind.name()
@@ -91,9 +92,9 @@ pub fn dispatch<J: BackendJob>(kind: BackendKind, job: J) -> Result<J::Output> {
     match kind {
         BackendKind::Cpu => job.run::<Flex>(Default::default()),
         BackendKind::Ndarray => job.run::<NdArray>(Default::default()),
-        BackendKind::Wgpu => wgpu_dispatch(job, false),
-        BackendKind::Metal => wgpu_dispatch(job, true),
-        BackendKind::Cuda => cuda_dispatch(job),
+        BackendKind::Wgpu => wgpu_dispatch(job, false, dtype),
+        BackendKind::Metal => wgpu_dispatch(job, true, dtype),
+        BackendKind::Cuda => cuda_dispatch(job, dtype),
     }
 }
 
@@ -110,27 +111,27 @@ impl BackendKind {
 }
 
 #[cfg(feature = "wgpu")]
-fn wgpu_dispatch<J: BackendJob>(job: J, metal: bool) -> Result<J::Output> {
+fn wgpu_dispatch<J: BackendJob>(job: J, metal: bool, dtype: FloatKind) -> Result<J::Output> {
     let device = wgpu_device(metal)?;
-    apply_float_kind::<Wgpu>(&device, if metal { "metal" } else { "wgpu" })?;
+    apply_float_kind::<Wgpu>(&device, dtype, if metal { "metal" } else { "wgpu" })?;
     job.run::<Wgpu>(device)
 }
 
 #[cfg(not(feature = "wgpu"))]
-fn wgpu_dispatch<J: BackendJob>(_job: J, _metal: bool) -> Result<J::Output> {
+fn wgpu_dispatch<J: BackendJob>(_job: J, _metal: bool, _dtype: FloatKind) -> Result<J::Output> {
     bail!("this toy was built without the wgpu backend: rebuild with `--features wgpu`")
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_dispatch<J: BackendJob>(job: J) -> Result<J::Output> {
+fn cuda_dispatch<J: BackendJob>(job: J, dtype: FloatKind) -> Result<J::Output> {
     cuda_probe()?;
     let device = Default::default();
-    apply_float_kind::<Cuda>(&device, "cuda")?;
+    apply_float_kind::<Cuda>(&device, dtype, "cuda")?;
     job.run::<Cuda>(device)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_dispatch<J: BackendJob>(_job: J) -> Result<J::Output> {
+fn cuda_dispatch<J: BackendJob>(_job: J, _dtype: FloatKind) -> Result<J::Output> {
     bail!("this toy was built without the cuda backend: rebuild with `--features cuda`")
 }
 

@@ -10,7 +10,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
 use toy_kernels::ToyBackend;
 
-use crate::backend::{BackendJob, BackendKind, dispatch};
+use crate::backend::{BackendJob, Compute, dispatch};
 use crate::infer::load_model;
 
 #[derive(Args, Debug, Clone)]
@@ -149,7 +149,8 @@ fn llama_bench(path: &PathBuf, args: &BenchArgs, threads: usize) -> Result<Vec<(
         .collect())
 }
 
-pub fn run(backend: BackendKind, args: BenchArgs) -> Result<()> {
+pub fn run(compute: Compute, args: BenchArgs) -> Result<()> {
+    let backend = compute.backend;
     let threads = args.threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -159,7 +160,7 @@ pub fn run(backend: BackendKind, args: BenchArgs) -> Result<()> {
         .num_threads(threads)
         .build_global()
         .ok();
-    let mut rows = dispatch(backend, BenchJob(args.clone()))?;
+    let mut rows = dispatch(compute, BenchJob(args.clone()))?;
     if let Some(path) = &args.vs_llama_cpp {
         for (name, ts) in llama_bench(path, &args, threads)? {
             if let Some(row) = rows.iter_mut().find(|r| r.test == name) {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value, quantize, tensor_to_f32};
+use toy_core::gguf::{GgmlType, GgufError, GgufFile, convert};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Target {
@@ -24,16 +24,6 @@ impl Target {
             Target::F16 => GgmlType::F16,
             Target::Q8_0 => GgmlType::Q8_0,
             Target::Q4_0 => GgmlType::Q4_0,
-        }
-    }
-
-    /// llama.cpp's `general.file_type` (`enum llama_ftype`).
-    fn file_type(self) -> u32 {
-        match self {
-            Target::F32 => 0,
-            Target::F16 => 1,
-            Target::Q4_0 => 2,
-            Target::Q8_0 => 7,
         }
     }
 }
@@ -55,28 +45,15 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         bail!("the output must be a different file from the input");
     }
     let file = GgufFile::open(&args.input)?;
-    let mut writer = GgufWriter::from_file(&file);
-    if file.get("general.file_type").is_some() {
-        writer.set("general.file_type", Value::U32(args.to.file_type()))?;
-    }
     let bar = ProgressBar::new(file.tensors.len() as u64).with_style(
         ProgressStyle::with_template("converting [{bar:30}] {pos}/{len} tensors {msg}")
             .expect("static template"),
     );
-    for info in &file.tensors {
+    let writer = convert(&file, args.to.ggml_type(), |info, _| {
         bar.set_message(info.name.clone());
-        let values = tensor_to_f32(&file, info)
-            .with_context(|| format!("cannot read tensor {}", info.name))?;
-        let target = args.to.ggml_type();
-        let ty = if info.dims.len() == 2 && info.dims[0] % target.block_size() as u64 == 0 {
-            target
-        } else {
-            GgmlType::F32
-        };
-        let data = quantize(ty, &values)?;
-        writer.add_tensor(&info.name, &info.dims, ty, data)?;
         bar.inc(1);
-    }
+        Ok::<_, GgufError>(())
+    })?;
     bar.set_message("writing");
     writer
         .write_atomic(&args.output)

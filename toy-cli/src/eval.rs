@@ -13,7 +13,7 @@ use toy_kernels::ToyBackend;
 use toy_train::eval::{EvalOptions, Scoring, perplexity};
 use toy_train::lmc::Interpolation;
 
-use crate::backend::{BackendJob, BackendKind, dispatch};
+use crate::backend::{BackendJob, Compute, dispatch};
 use crate::infer::load_model;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -292,14 +292,14 @@ impl BackendJob for LmcJob {
     }
 }
 
-pub fn run(backend: BackendKind, args: EvalArgs) -> Result<()> {
+pub fn run(compute: Compute, args: EvalArgs) -> Result<()> {
     match args.command.clone() {
         Some(EvalCommand::Lmc(lmc)) => {
             if lmc.alphas.is_empty() {
                 anyhow::bail!("give at least one α with --alphas");
             }
-            dispatch(backend, LmcJob(lmc))
+            dispatch(compute, LmcJob(lmc))
         }
-        None => dispatch(backend, EvalJob(args)),
+        None => dispatch(compute, EvalJob(args)),
     }
 }

@@ -17,7 +17,7 @@ use toy_kernels::ToyBackend;
 use toy_models::generate::{GenerateOptions, generate};
 use toy_models::{Model, Transformer, load};
 
-use crate::backend::{BackendJob, BackendKind, dispatch};
+use crate::backend::{BackendJob, Compute, dispatch};
 
 #[derive(Args, Debug, Clone)]
 pub struct InferArgs {
@@ -222,6 +222,6 @@ impl BackendJob for InferJob {
     }
 }
 
-pub fn run(backend: BackendKind, args: InferArgs) -> Result<()> {
-    dispatch(backend, InferJob(args))
+pub fn run(compute: Compute, args: InferArgs) -> Result<()> {
+    dispatch(compute, InferJob(args))
 }

@@ -19,7 +19,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::backend::{BackendKind, FloatKind};
+use crate::backend::{BackendKind, Compute, FloatKind};
 
 /// Run transformer language models from GGUF files — token-exact with llama.cpp — on the CPU or
 /// any GPU (Vulkan/Metal/DX12 through wgpu, NVIDIA through CUDA).
@@ -97,25 +97,21 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("TOY_LOG"))
         .init();
-    backend::set_float_kind(cli.dtype);
-    if cli.dtype == FloatKind::F16 && matches!(cli.command, Command::Train(_)) {
-        eprintln!(
-            "error: --dtype f16 is for inference (infer, eval, bench, serve); training keeps f32 \
-             weights, gradients and optimizer state"
-        );
-        return ExitCode::FAILURE;
-    }
+    let compute = Compute {
+        backend: cli.backend,
+        dtype: cli.dtype,
+    };
     let result = match cli.command {
-        Command::Infer(args) => infer::run(cli.backend, args),
+        Command::Infer(args) => infer::run(compute, args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Describe(args) => describe::run(args),
         Command::Convert(args) => convert::run(args),
-        Command::Bench(args) => bench::run(cli.backend, args),
-        Command::Train(args) => train::run(cli.backend, *args),
-        Command::Eval(args) => eval::run(cli.backend, args),
+        Command::Bench(args) => bench::run(compute, args),
+        Command::Train(args) => train::run(compute, *args),
+        Command::Eval(args) => eval::run(compute, args),
         Command::Merge(args) => merge::run(args),
         Command::Runs(args) => runs::run(args),
-        Command::Serve(args) => serve::run(cli.backend, args),
+        Command::Serve(args) => serve::run(compute, args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use toy_core::config::ModelConfig;
-use toy_core::gguf::GgufFile;
-use toy_train::adapter::{Adapter, Heads, MergeType, merge};
+use toy_core::gguf::{GgmlType, GgufFile};
+use toy_train::adapter::{Adapter, Heads, merge};
 
 #[derive(Args, Debug, Clone)]
 pub struct MergeArgs {
@@ -46,8 +46,8 @@ pub fn run(args: MergeArgs) -> Result<()> {
         Adapter::read_gguf(&file)?
     };
     let ty = match args.ty.as_str() {
-        "q8_0" => MergeType::Q8_0,
-        _ => MergeType::F32,
+        "q8_0" => GgmlType::Q8_0,
+        _ => GgmlType::F32,
     };
     let bytes = merge(&base, &adapter, ty)?
         .write_atomic(&args.out)

@@ -8,7 +8,7 @@ use clap::Args;
 use toy_kernels::ToyBackend;
 use toy_serve::ServeOptions;
 
-use crate::backend::{BackendJob, BackendKind, dispatch};
+use crate::backend::{BackendJob, BackendKind, Compute, dispatch};
 
 /// `toy serve` options (the command's description is on `Command::Serve` in main.rs).
 #[derive(Args, Debug, Clone)]
@@ -87,6 +87,6 @@ impl BackendJob for ServeJob {
     }
 }
 
-pub fn run(backend: BackendKind, args: ServeArgs) -> Result<()> {
-    dispatch(backend, ServeJob(args, backend))
+pub fn run(compute: Compute, args: ServeArgs) -> Result<()> {
+    dispatch(compute, ServeJob(args, compute.backend))
 }

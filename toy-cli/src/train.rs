@@ -18,7 +18,7 @@ use toy_train::config::{Arch, LoraSettings, OptimConfig};
 use toy_train::events::{Event, Record};
 use toy_train::{DataConfig, Preset, Recipe, RunDir, RunInfo, TrainConfig, TrainSetup, train};
 
-use crate::backend::{BackendJob, BackendKind, dispatch};
+use crate::backend::{BackendJob, BackendKind, Compute, FloatKind, dispatch};
 
 /// The bundled corpus and tokenizer (`fixtures/corpus/`, made by `make_corpus.py`).
 const BUNDLED_CORPUS: &[u8] = include_bytes!("../../fixtures/corpus/stories.txt");
@@ -164,16 +164,13 @@ fn parse_arch(s: &str) -> Result<Arch, String> {
     })
 }
 
-/// The recipes `toy train` builds.
-const RECIPES: [&str; 5] = ["from-scratch", "warm-start", "lora", "qlora", "full"];
-
 fn parse_recipe(s: &str) -> Result<String, String> {
-    if RECIPES.contains(&s) {
+    if Recipe::NAMES.contains(&s) {
         Ok(s.to_string())
     } else {
         Err(format!(
             "unknown recipe {s:?} (available: {})",
-            RECIPES.join(", ")
+            Recipe::NAMES.join(", ")
         ))
     }
 }
@@ -646,6 +643,13 @@ fn human(x: f64) -> String {
     }
 }
 
-pub fn run(backend: BackendKind, args: TrainArgs) -> Result<()> {
-    dispatch(backend, TrainJob { args, backend })
+pub fn run(compute: Compute, args: TrainArgs) -> Result<()> {
+    if compute.dtype == FloatKind::F16 {
+        bail!(
+            "--dtype f16 is for inference (infer, eval, bench, serve); training keeps f32 \
+             weights, gradients and optimizer state"
+        );
+    }
+    let backend = compute.backend;
+    dispatch(compute, TrainJob { args, backend })
 }

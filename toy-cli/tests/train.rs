@@ -342,14 +342,14 @@ fn eval_matches_llama_cpp_nll_on_smollm2_f32() {
 #[test]
 fn llama_cpp_runs_a_toy_checkpoint_to_the_same_greedy_tokens() {
     // `fixtures/corpus/trained/model.gguf` is a `toy train` checkpoint; llama.cpp's greedy tokens
-    // for it were recorded by `make_trained.sh` (llama.cpp loads the file as a plain llama model).
+    // for it were recorded by `fixtures/corpus/make_trained.sh llama` (llama.cpp loads the file as a plain llama model).
     same_greedy_tokens_as_llama_cpp(&root().join("fixtures/corpus/trained"));
 }
 
 #[test]
 fn llama_cpp_runs_a_toy_gpt2_checkpoint_to_the_same_greedy_tokens() {
     // `fixtures/corpus/trained-gpt2/model.gguf` is a `toy train --arch gpt2` checkpoint, which
-    // llama.cpp loads as its `gpt2` architecture (`make_trained.sh` there).
+    // llama.cpp loads as its `gpt2` architecture (`fixtures/corpus/make_trained.sh gpt2`).
     same_greedy_tokens_as_llama_cpp(&root().join("fixtures/corpus/trained-gpt2"));
 }
 

@@ -7,6 +7,7 @@
 pub mod chat;
 pub mod config;
 pub mod gguf;
+pub mod rng;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;

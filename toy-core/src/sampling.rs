@@ -89,16 +89,9 @@ struct Xoshiro256 {
 
 impl Xoshiro256 {
     fn seed_from(seed: u64) -> Self {
-        let mut x = seed;
-        let mut next = || {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        };
+        let mut x = crate::rng::SplitMix64::new(seed);
         Self {
-            s: [next(), next(), next(), next()],
+            s: [x.next_u64(), x.next_u64(), x.next_u64(), x.next_u64()],
         }
     }
 

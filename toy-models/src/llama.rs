@@ -15,7 +15,7 @@ use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive
 use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
-use crate::lora::{BlockLora, project};
+use crate::lora::{BlockLora, Target, project};
 use crate::qlinear::QLinear;
 
 /// The shape of a llama-family model.
@@ -586,6 +586,7 @@ impl<B: ToyBackend> Attention<B> {
         lora: Option<&BlockLora<B>>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
+        let adapter = |target: Target| lora.and_then(|l| l.get(target));
         // Project (+ bias), split into heads (+ per-head norm), heads before tokens.
         let heads = |w: &QLinear<B>,
                      adapter,
@@ -609,21 +610,21 @@ impl<B: ToyBackend> Attention<B> {
         };
         let q = heads(
             &self.wq,
-            lora.and_then(|l| l.q.as_ref()),
+            adapter(Target::Q),
             &self.bq,
             &self.q_norm,
             self.n_head,
         );
         let k = heads(
             &self.wk,
-            lora.and_then(|l| l.k.as_ref()),
+            adapter(Target::K),
             &self.bk,
             &self.k_norm,
             self.n_head_kv,
         );
         let v = heads(
             &self.wv,
-            lora.and_then(|l| l.v.as_ref()),
+            adapter(Target::V),
             &self.bv,
             &None,
             self.n_head_kv,
@@ -653,7 +654,7 @@ impl<B: ToyBackend> Attention<B> {
         let out: Tensor<B, 4> = Tensor::from_primitive(TensorPrimitive::Float(out));
         project(
             &self.wo,
-            lora.and_then(|l| l.o.as_ref()),
+            adapter(Target::O),
             out.swap_dims(1, 2)
                 .reshape([b, t, self.n_head * self.head_dim]),
         )
@@ -680,8 +681,9 @@ impl<B: ToyBackend> Mlp<B> {
         x: Tensor<B, D>,
         lora: Option<&BlockLora<B>>,
     ) -> Tensor<B, D> {
-        let gate = project(&self.gate, lora.and_then(|l| l.gate.as_ref()), x.clone());
-        let up = project(&self.up, lora.and_then(|l| l.up.as_ref()), x);
+        let adapter = |target: Target| lora.and_then(|l| l.get(target));
+        let gate = project(&self.gate, adapter(Target::Gate), x.clone());
+        let up = project(&self.up, adapter(Target::Up), x);
         let h = if self.gelu {
             gelu_ggml(gate) * up
         } else {
@@ -690,7 +692,7 @@ impl<B: ToyBackend> Mlp<B> {
                 up.into_primitive().tensor(),
             )))
         };
-        project(&self.down, lora.and_then(|l| l.down.as_ref()), h)
+        project(&self.down, adapter(Target::Down), h)
     }
 }
 

@@ -13,9 +13,10 @@
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use toy_core::rng::SplitMix64;
 use toy_kernels::ToyBackend;
 
-use crate::llama::{Ffn, Transformer};
+use crate::llama::{Block, Ffn, Transformer};
 use crate::qlinear::QLinear;
 
 /// A projection an adapter can sit on.
@@ -114,10 +115,10 @@ impl<B: ToyBackend> Lora<B> {
         if self.dropout > 0.0 && B::ad_enabled(&device) {
             let n = x2.dims()[0] * k;
             let keep = 1.0 / (1.0 - self.dropout);
-            let mut rng = self.dropout_seed;
+            let mut rng = SplitMix64::new(self.dropout_seed);
             let mask: Vec<f32> = (0..n)
                 .map(|_| {
-                    let u = (splitmix64(&mut rng) >> 40) as f32 / (1u64 << 24) as f32;
+                    let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
                     if u < self.dropout { 0.0 } else { keep }
                 })
                 .collect();
@@ -165,6 +166,19 @@ pub struct BlockLora<B: Backend> {
 }
 
 impl<B: Backend> BlockLora<B> {
+    /// No adapter on any projection.
+    pub fn empty() -> Self {
+        BlockLora {
+            q: None,
+            k: None,
+            v: None,
+            o: None,
+            gate: None,
+            up: None,
+            down: None,
+        }
+    }
+
     pub fn get(&self, t: Target) -> Option<&Lora<B>> {
         match t {
             Target::Q => self.q.as_ref(),
@@ -177,7 +191,8 @@ impl<B: Backend> BlockLora<B> {
         }
     }
 
-    fn slot(&mut self, t: Target) -> &mut Option<Lora<B>> {
+    /// The slot of `t`'s adapter, to set or change it.
+    pub fn slot(&mut self, t: Target) -> &mut Option<Lora<B>> {
         match t {
             Target::Q => &mut self.q,
             Target::K => &mut self.k,
@@ -207,37 +222,45 @@ pub struct LoraSpec {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoraError {
-    #[error("LoRA on the MLP of a mixture-of-experts model is not supported (target q,k,v,o only)")]
-    MoeMlp,
+    #[error("LoRA on a mixture-of-experts model is not supported")]
+    Moe,
     #[error("LoRA rank must be positive")]
     ZeroRank,
     #[error("the adapters have {found} blocks, the model {expected}")]
     Blocks { expected: usize, found: usize },
 }
 
-/// `(in, out)` of `target` in `model`'s block `layer`.
-fn dims<B: Backend>(model: &Transformer<B>, layer: usize, t: Target) -> Option<(usize, usize)> {
-    let block = &model.blocks[layer];
-    let a = &block.attn;
-    let (qdim, kvdim) = (a.n_head * a.head_dim, a.n_head_kv * a.head_dim);
-    let d_model = block.attn_norm.gamma.dims()[0];
-    let d_ff = match &block.ffn {
-        Ffn::Dense(mlp) => qlinear_out(&mlp.up),
-        Ffn::Moe(_) => return None,
+/// The weight `target` sits on in `block`; `None` for the MLP of a mixture of experts.
+pub fn projection<B: Backend>(block: &Block<B>, t: Target) -> Option<&QLinear<B>> {
+    let mlp = match &block.ffn {
+        Ffn::Dense(mlp) => Some(mlp),
+        Ffn::Moe(_) => None,
     };
-    Some(match t {
-        Target::Q => (d_model, qdim),
-        Target::K | Target::V => (d_model, kvdim),
-        Target::O => (qdim, d_model),
-        Target::Gate | Target::Up => (d_model, d_ff),
-        Target::Down => (d_ff, d_model),
-    })
+    match t {
+        Target::Q => Some(&block.attn.wq),
+        Target::K => Some(&block.attn.wk),
+        Target::V => Some(&block.attn.wv),
+        Target::O => Some(&block.attn.wo),
+        Target::Gate => mlp.map(|m| &m.gate),
+        Target::Up => mlp.map(|m| &m.up),
+        Target::Down => mlp.map(|m| &m.down),
+    }
 }
 
-fn qlinear_out<B: Backend>(w: &QLinear<B>) -> usize {
-    match w {
-        QLinear::Dense(w) => w.dims()[0],
-        QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => p.scales.dims()[0],
+/// The weight `target` sits on in `block`, to replace it; `None` for a mixture's MLP.
+pub fn projection_mut<B: Backend>(block: &mut Block<B>, t: Target) -> Option<&mut QLinear<B>> {
+    let mlp = match &mut block.ffn {
+        Ffn::Dense(mlp) => Some(mlp),
+        Ffn::Moe(_) => None,
+    };
+    match t {
+        Target::Q => Some(&mut block.attn.wq),
+        Target::K => Some(&mut block.attn.wk),
+        Target::V => Some(&mut block.attn.wv),
+        Target::O => Some(&mut block.attn.wo),
+        Target::Gate => mlp.map(|m| &mut m.gate),
+        Target::Up => mlp.map(|m| &mut m.up),
+        Target::Down => mlp.map(|m| &mut m.down),
     }
 }
 
@@ -251,21 +274,18 @@ pub fn new_adapters<B: Backend>(
     if spec.rank == 0 {
         return Err(LoraError::ZeroRank);
     }
+    if model.blocks.iter().any(|b| matches!(b.ffn, Ffn::Moe(_))) {
+        return Err(LoraError::Moe);
+    }
     let device = model.output_norm.gamma.device();
     let scale = spec.alpha / spec.rank as f32;
     let mut blocks = Vec::with_capacity(model.blocks.len());
     for layer in 0..model.blocks.len() {
-        let mut block = BlockLora {
-            q: None,
-            k: None,
-            v: None,
-            o: None,
-            gate: None,
-            up: None,
-            down: None,
-        };
+        let mut block = BlockLora::empty();
         for &t in &spec.targets {
-            let (inp, out) = dims(model, layer, t).ok_or(LoraError::MoeMlp)?;
+            let [out, inp] = projection(&model.blocks[layer], t)
+                .ok_or(LoraError::Moe)?
+                .dims();
             let a = draw_a(layer, t, [spec.rank, inp]);
             *block.slot(t) = Some(Lora {
                 a: Param::from_tensor(Tensor::from_data(
@@ -306,17 +326,7 @@ pub fn adapters<B: Backend>(model: &Transformer<B>) -> LoraAdapters<B> {
         blocks: model
             .blocks
             .iter()
-            .map(|b| {
-                b.lora.clone().unwrap_or(BlockLora {
-                    q: None,
-                    k: None,
-                    v: None,
-                    o: None,
-                    gate: None,
-                    up: None,
-                    down: None,
-                })
-            })
+            .map(|b| b.lora.clone().unwrap_or_else(BlockLora::empty))
             .collect(),
     }
 }
@@ -327,9 +337,9 @@ pub fn set_dropout_seed<B: Backend>(model: &mut Transformer<B>, seed: u64) {
         if let Some(lora) = &mut block.lora {
             for t in Target::ALL {
                 if let Some(l) = lora.slot(t) {
-                    let mut s =
-                        seed ^ ((layer as u64) << 8 | t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                    l.dropout_seed = splitmix64(&mut s);
+                    let stream =
+                        ((layer as u64) << 8 | t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    l.dropout_seed = SplitMix64::new(seed ^ stream).next_u64();
                 }
             }
         }
@@ -353,8 +363,8 @@ pub fn advance_dropout<B: Backend>(model: &mut Transformer<B>, k: u64) {
         if let Some(lora) = &mut block.lora {
             for t in Target::ALL {
                 if let Some(l) = lora.slot(t) {
-                    let mut s = l.dropout_seed ^ k.wrapping_mul(0xA24B_AED4_963E_E407);
-                    l.dropout_seed = splitmix64(&mut s);
+                    let s = l.dropout_seed ^ k.wrapping_mul(0xA24B_AED4_963E_E407);
+                    l.dropout_seed = SplitMix64::new(s).next_u64();
                 }
             }
         }
@@ -369,21 +379,13 @@ pub fn merge<B: ToyBackend>(mut model: Transformer<B>) -> Transformer<B> {
         let Some(lora) = block.lora.take() else {
             continue;
         };
-        let fold = |w: &mut QLinear<B>, l: Option<&Lora<B>>| {
-            if let (QLinear::Dense(p), Some(l)) = (&*w, l) {
-                let merged = p.val() + l.delta_weight();
-                *w = QLinear::Dense(Param::from_tensor(merged));
+        for t in Target::ALL {
+            let (Some(l), Some(w)) = (lora.get(t), projection_mut(block, t)) else {
+                continue;
+            };
+            if let QLinear::Dense(p) = w {
+                *w = QLinear::Dense(Param::from_tensor(p.val() + l.delta_weight()));
             }
-        };
-        let attn = &mut block.attn;
-        fold(&mut attn.wq, lora.q.as_ref());
-        fold(&mut attn.wk, lora.k.as_ref());
-        fold(&mut attn.wv, lora.v.as_ref());
-        fold(&mut attn.wo, lora.o.as_ref());
-        if let Ffn::Dense(mlp) = &mut block.ffn {
-            fold(&mut mlp.gate, lora.gate.as_ref());
-            fold(&mut mlp.up, lora.up.as_ref());
-            fold(&mut mlp.down, lora.down.as_ref());
         }
     }
     model
@@ -417,14 +419,6 @@ fn permute_rows(values: &[f32], n_head: usize, cols: usize, to_hf: bool) -> Vec<
         }
     }
     out
-}
-
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

@@ -9,8 +9,8 @@ use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
-use toy_kernels::ToyBackend;
 use toy_kernels::quant::PackedWeight;
+use toy_kernels::{ToyBackend, reference};
 
 /// A quantized weight in the packed layout: `words[n, k / per_word]` (u32), `scales[n, k / 32]`
 /// and, for asymmetric formats, `mins[n, k / 32]`.
@@ -71,6 +71,42 @@ pub enum QLinear<B: Backend> {
     Q4_1(PackedMatrix<B>),
 }
 
+impl<B: Backend> QLinear<B> {
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            QLinear::Dense(w) => w.dims(),
+            QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => {
+                let [out, blocks] = p.scales.dims();
+                [out, blocks * 32]
+            }
+        }
+    }
+
+    /// The same layer with an f32 weight (`Dense`): a packed weight is dequantized as llama.cpp
+    /// and gguf-py do (`d·q`, `d·q + m`, exact in f32); a dense one is returned as it is.
+    pub fn dequantized(&self) -> QLinear<B> {
+        let (words, scales) = match self {
+            QLinear::Dense(_) => return self.clone(),
+            QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => {
+                (p.words.val(), p.scales.val())
+            }
+        };
+        let w = match self {
+            QLinear::Q4_1(p) => {
+                let mins = p
+                    .mins
+                    .as_ref()
+                    .expect("PackedMatrix::from_host keeps Q4_1's mins");
+                reference::dequant_q4_1(words, scales, mins.val())
+            }
+            QLinear::Q4_0(_) => reference::dequant_q4_0(words, scales),
+            _ => reference::dequant_q8_0(words, scales),
+        };
+        QLinear::Dense(Param::from_tensor(w.detach()))
+    }
+}
+
 impl<B: ToyBackend> QLinear<B> {
     /// `x[.., in] -> [.., out]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
@@ -93,5 +129,59 @@ impl<B: ToyBackend> QLinear<B> {
         let mut out = dims;
         out[D - 1] = y.dims()[1];
         y.reshape(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::tensor::f16;
+    use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
+    use toy_kernels::quant::{pack_q4_0, pack_q4_1, pack_q8_0};
+
+    use super::*;
+
+    /// `dequantized` gives gguf-py's (and llama.cpp's) f32 values bit for bit.
+    #[test]
+    fn dequantized_equals_the_gguf_dequantization() {
+        let (n, k) = (6, 96);
+        let values: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
+        // Q4_1 blocks by hand (toy-core quantizes to Q8_0 and Q4_0 only): f16 d and m, nibbles.
+        let q4_1: Vec<u8> = (0..n * k / 32)
+            .flat_map(|b| {
+                let d = f16::from_f32(0.01 + b as f32 * 0.003).to_le_bytes();
+                let m = f16::from_f32(-0.4 + b as f32 * 0.05).to_le_bytes();
+                let qs = (0..16).map(move |j| ((b * 7 + j * 13) % 256) as u8);
+                d.into_iter().chain(m).chain(qs)
+            })
+            .collect();
+        let cases = [
+            (GgmlType::Q8_0, quantize(GgmlType::Q8_0, &values).unwrap()),
+            (GgmlType::Q4_0, quantize(GgmlType::Q4_0, &values).unwrap()),
+            (GgmlType::Q4_1, q4_1),
+        ];
+        let device = Default::default();
+        for (ty, blocks) in cases {
+            let packed = |p| PackedMatrix::<Flex>::from_host(p, &device);
+            let layer = match ty {
+                GgmlType::Q8_0 => QLinear::Q8_0(packed(pack_q8_0(&blocks, n, k))),
+                GgmlType::Q4_0 => QLinear::Q4_0(packed(pack_q4_0(&blocks, n, k))),
+                _ => QLinear::Q4_1(packed(pack_q4_1(&blocks, n, k))),
+            };
+            assert_eq!(layer.dims(), [n, k]);
+            let QLinear::Dense(w) = layer.dequantized() else {
+                panic!("{ty:?}: not dense");
+            };
+            let got = w.val().into_data().into_vec::<f32>().unwrap();
+            let want = dequantize_to_vec(ty, &blocks).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ty:?}: dequantized weights differ from gguf's"
+            );
+        }
     }
 }

@@ -23,6 +23,8 @@
 
 mod common;
 
+use common::ids;
+
 use std::path::PathBuf;
 
 use burn::backend::Flex;
@@ -42,14 +44,6 @@ const GELU_TOL: f64 = 5e-4;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/models")).join(name)
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 fn expected(name: &str) -> Value {

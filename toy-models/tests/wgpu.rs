@@ -16,24 +16,13 @@
 mod common;
 
 use burn::backend::Flex;
-use burn::tensor::{Int, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use cubecl::wgpu::WgpuRuntime;
 use toy_core::gguf::GgufFile;
-use toy_kernels::ToyBackend;
-use toy_models::CausalLm;
 
 type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
 
 const STEPS: usize = 16;
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// Greedy ids on wgpu for the short oracle prompts of `kind`; each must equal llama.cpp's up to
 /// the first step whose margin is below `margin_threshold`.
@@ -48,8 +37,8 @@ fn greedy_matches_llama_cpp(kind: &str, margin_threshold: f64) {
         .iter()
         .enumerate()
     {
-        let prompt = ids(&case["prompt_ids"]);
-        let expected = &ids(&case["gen_ids"])[..STEPS];
+        let prompt = common::ids(&case["prompt_ids"]);
+        let expected = &common::ids(&case["gen_ids"])[..STEPS];
         let must_match = case["steps"].as_array().unwrap()[..STEPS]
             .iter()
             .position(|s| s["margin"].as_f64().unwrap() < margin_threshold)
@@ -79,25 +68,6 @@ fn smollm2_q8_0_greedy_on_wgpu_equals_llama_cpp() {
     greedy_matches_llama_cpp("Q8_0", 0.6);
 }
 
-/// Logits of every position of `chunks` fed one after the other through the KV cache.
-fn logits<B: ToyBackend>(m: &impl CausalLm<B>, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
-    let mut cache = m.new_cache();
-    let mut rows = Vec::new();
-    for c in chunks {
-        let data = TensorData::new(
-            c.iter().map(|&x| x as i64).collect::<Vec<_>>(),
-            [1, c.len()],
-        );
-        let l = m.forward(
-            Tensor::<B, 2, Int>::from_data(data, &m.device()),
-            &mut cache,
-        );
-        let v = l.into_data().into_vec::<f32>().unwrap();
-        rows.extend(v.chunks(v.len() / c.len()).map(|r| r.to_vec()));
-    }
-    rows
-}
-
 /// Logits on wgpu against the CPU backend, position by position, through one prefill of 20
 /// tokens (tiled matmul and attention kernels) and through one-token decode steps after a
 /// 6-token prefill (matrix-vector and row kernels).
@@ -105,10 +75,10 @@ fn logits<B: ToyBackend>(m: &impl CausalLm<B>, chunks: &[&[u32]]) -> Vec<Vec<f32
 fn smollm2_logits_on_wgpu_equal_cpu() {
     let oracle = common::oracle("greedy.json");
     let case = &oracle["results"]["Q8_0"][1];
-    let prompt = ids(&case["prompt_ids"]);
+    let prompt = common::ids(&case["prompt_ids"]);
     let seq: Vec<u32> = prompt
         .iter()
-        .chain(&ids(&case["gen_ids"])[..14])
+        .chain(&common::ids(&case["gen_ids"])[..14])
         .copied()
         .collect();
     let whole = [&seq[..]];
@@ -119,17 +89,8 @@ fn smollm2_logits_on_wgpu_equal_cpu() {
         let (_, gpu) = toy_models::load::<Wgpu>(&file, &Default::default(), |_, _| {}).unwrap();
         let (_, cpu) = toy_models::load::<Flex>(&file, &Default::default(), |_, _| {}).unwrap();
         for (mode, chunks) in [("prefill", &whole[..]), ("decode", &steps[..])] {
-            let (g, c) = (logits(&gpu, chunks), logits(&cpu, chunks));
-            let diffs: Vec<f32> = g
-                .iter()
-                .zip(&c)
-                .map(|(a, b)| {
-                    a.iter()
-                        .zip(b)
-                        .map(|(x, y)| (x - y).abs())
-                        .fold(0.0, f32::max)
-                })
-                .collect();
+            let (g, c) = (common::logits(&gpu, chunks), common::logits(&cpu, chunks));
+            let diffs = common::max_abs_diff_per_row(&g, &c);
             eprintln!("{kind} {mode}: max |wgpu - cpu| per position {diffs:?}");
             if kind == "F32" {
                 assert!(diffs.iter().all(|&d| d < 5e-4), "{kind} {mode}: {diffs:?}");

@@ -20,8 +20,6 @@ use burn::tensor::{DType, FloatDType, Int, IntDType, Tensor, TensorData, set_def
 use burn_cubecl::CubeBackend;
 use cubecl::wgpu::WgpuRuntime;
 use toy_core::gguf::GgufFile;
-use toy_kernels::ToyBackend;
-use toy_models::CausalLm;
 
 type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
 
@@ -31,14 +29,6 @@ const STEPS: usize = 16;
 const MARGIN: f64 = 3.0;
 /// Largest |f16 wgpu − f32 cpu| logit difference allowed at any position (measured 1.04).
 const LOGIT_TOLERANCE: f32 = 1.5;
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// The default wgpu device, set to create f16 float tensors (once per process).
 fn f16_device() -> cubecl::wgpu::WgpuDevice {
@@ -56,22 +46,6 @@ fn f16_device() -> cubecl::wgpu::WgpuDevice {
         .clone()
 }
 
-/// Logits of every position of `prompt` (one prefill), as f32 on the host.
-fn logits<B: ToyBackend>(m: &impl CausalLm<B>, prompt: &[u32]) -> (DType, Vec<Vec<f32>>) {
-    let data = TensorData::new(
-        prompt.iter().map(|&x| x as i64).collect::<Vec<_>>(),
-        [1, prompt.len()],
-    );
-    let l = m.forward(
-        Tensor::<B, 2, Int>::from_data(data, &m.device()),
-        &mut m.new_cache(),
-    );
-    let dtype = l.dtype();
-    let v = l.into_data().convert::<f32>().into_vec::<f32>().unwrap();
-    let rows = v.chunks(v.len() / prompt.len()).map(|r| r.to_vec());
-    (dtype, rows.collect())
-}
-
 #[test]
 fn smollm2_q8_0_with_f16_activations_on_wgpu() {
     let oracle = common::oracle("greedy.json");
@@ -81,20 +55,19 @@ fn smollm2_q8_0_with_f16_activations_on_wgpu() {
 
     // Logits of a 10-token prompt: computed in f16, close to the f32 CPU backend's.
     let cases = oracle["results"]["Q8_0"].as_array().unwrap();
-    let prompt = ids(&cases[1]["prompt_ids"]);
-    let (dtype, g) = logits(&gpu, &prompt);
-    let (_, c) = logits(&cpu, &prompt);
-    assert_eq!(dtype, DType::F16, "the logits were not computed in f16");
-    let diffs: Vec<f32> = g
-        .iter()
-        .zip(&c)
-        .map(|(a, b)| {
-            a.iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f32::max)
-        })
-        .collect();
+    let prompt = common::ids(&cases[1]["prompt_ids"]);
+    let one = Tensor::<Wgpu, 2, Int>::from_data(
+        TensorData::new(vec![prompt[0] as i64], [1, 1]),
+        &gpu.device(),
+    );
+    assert_eq!(
+        gpu.forward(one, &mut gpu.new_cache()).dtype(),
+        DType::F16,
+        "the logits were not computed in f16"
+    );
+    let g = common::logits(&gpu, &[&prompt]);
+    let c = common::logits(&cpu, &[&prompt]);
+    let diffs = common::max_abs_diff_per_row(&g, &c);
     eprintln!("Q8_0 f16: max |wgpu f16 - cpu f32| per position {diffs:?}");
     assert!(
         diffs.iter().all(|&d| d < LOGIT_TOLERANCE),
@@ -106,8 +79,8 @@ fn smollm2_q8_0_with_f16_activations_on_wgpu() {
     // step fails.
     let mut failures = Vec::new();
     for (i, case) in cases[..4].iter().enumerate() {
-        let prompt = ids(&case["prompt_ids"]);
-        let expected = &ids(&case["gen_ids"])[..STEPS];
+        let prompt = common::ids(&case["prompt_ids"]);
+        let expected = &common::ids(&case["gen_ids"])[..STEPS];
         let got = common::greedy(&gpu, &prompt, STEPS);
         let same = got.iter().zip(expected).take_while(|(a, b)| a == b).count();
         let margin = (same < STEPS).then(|| case["steps"][same]["margin"].as_f64().unwrap());

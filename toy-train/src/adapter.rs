@@ -12,11 +12,14 @@
 //!   (Q/K rows permuted for interleaved RoPE, as the base's `attn_q`/`attn_k`). llama.cpp adds
 //!   `(alpha / r) · B·(A·x)` to the projection (`llm_graph_context::build_lora_mm`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value, quantize, tensor_to_f32};
+use burn::tensor::{bf16, f16};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
+use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value, convert, tensor_to_f32};
 use toy_models::Transformer;
 use toy_models::lora::{Target, permute_rows_to_gguf, permute_rows_to_hf};
 
@@ -169,9 +172,11 @@ impl Adapter {
         })
     }
 
-    /// PEFT's `adapter_model.safetensors` (F32, HF orientation).
-    pub fn peft_safetensors(&self, heads: Heads) -> Vec<u8> {
-        let mut entries: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    /// PEFT's `adapter_model.safetensors` (F32, HF orientation, `{"format": "pt"}` metadata
+    /// as torch writes).
+    pub fn peft_safetensors(&self, heads: Heads) -> Result<Vec<u8>, TrainError> {
+        let mut entries: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         for t in &self.tensors {
             let stem = format!(
                 "base_model.model.model.layers.{}.{}",
@@ -181,15 +186,23 @@ impl Adapter {
             entries.push((
                 format!("{stem}.lora_A.weight"),
                 vec![t.rank, t.inp],
-                t.a.clone(),
+                bytes(&t.a),
             ));
             entries.push((
                 format!("{stem}.lora_B.weight"),
                 vec![t.out, t.rank],
-                self.b_hf(t, heads),
+                bytes(&self.b_hf(t, heads)),
             ));
         }
-        safetensors_bytes(&entries)
+        let views = entries
+            .iter()
+            .map(|(name, shape, data)| {
+                Ok((name, TensorView::new(Dtype::F32, shape.clone(), data)?))
+            })
+            .collect::<Result<Vec<_>, SafeTensorError>>()
+            .map_err(safetensors_error)?;
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize(views, Some(metadata)).map_err(safetensors_error)
     }
 
     /// Write `adapter_config.json`, `adapter_model.safetensors` and `adapter.gguf` into `dir`,
@@ -204,7 +217,7 @@ impl Adapter {
         let config = serde_json::to_vec_pretty(&self.peft_config(base_name))
             .expect("adapter config serializes");
         write_atomic(&dir.join("adapter_config.json"), &config)?;
-        let st = self.peft_safetensors(heads);
+        let st = self.peft_safetensors(heads)?;
         write_atomic(&dir.join("adapter_model.safetensors"), &st)?;
         let gguf = self
             .to_gguf(name)?
@@ -381,111 +394,50 @@ impl Adapter {
     }
 }
 
-/// A safetensors file of F32 tensors (`{"__metadata__": {"format": "pt"}}` as torch writes).
-fn safetensors_bytes(entries: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
-    let mut offset = 0usize;
-    for (name, shape, values) in entries {
-        let end = offset + values.len() * 4;
-        header.insert(
-            name.clone(),
-            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }),
-        );
-        offset = end;
-    }
-    let mut json = serde_json::to_vec(&serde_json::Value::Object(header)).expect("serializes");
-    // The header is padded with spaces to a multiple of 8 bytes (the data stays aligned).
-    while !json.len().is_multiple_of(8) {
-        json.push(b' ');
-    }
-    let mut out = Vec::with_capacity(8 + json.len() + offset);
-    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    out.extend_from_slice(&json);
-    for (_, _, values) in entries {
-        out.extend(values.iter().flat_map(|x| x.to_le_bytes()));
-    }
-    out
-}
-
 type HostTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+fn safetensors_error(e: SafeTensorError) -> TrainError {
+    TrainError::Config(format!("adapter_model.safetensors: {e}"))
+}
 
 /// The F32/F16/BF16 tensors of a safetensors file, as f32.
 fn read_safetensors(bytes: &[u8]) -> Result<HostTensors, TrainError> {
-    let bad = |what: &str| TrainError::Config(format!("adapter_model.safetensors: {what}"));
-    if bytes.len() < 8 {
-        return Err(bad("truncated"));
-    }
-    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-    let header: serde_json::Map<String, serde_json::Value> = bytes
-        .get(8..8 + n)
-        .and_then(|h| serde_json::from_slice(h).ok())
-        .ok_or_else(|| bad("bad header"))?;
-    let data = &bytes[8 + n..];
+    let file = SafeTensors::deserialize(bytes).map_err(safetensors_error)?;
     let mut out = BTreeMap::new();
-    for (name, entry) in header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let shape: Vec<usize> =
-            serde_json::from_value(entry["shape"].clone()).map_err(|_| bad("bad shape"))?;
-        let offsets: [usize; 2] = serde_json::from_value(entry["data_offsets"].clone())
-            .map_err(|_| bad("bad data_offsets"))?;
-        let raw = data
-            .get(offsets[0]..offsets[1])
-            .ok_or_else(|| bad("data out of bounds"))?;
-        let values: Vec<f32> = match entry["dtype"].as_str() {
-            Some("F32") => raw
+    for (name, view) in file.tensors() {
+        let raw = view.data();
+        let values: Vec<f32> = match view.dtype() {
+            Dtype::F32 => raw
                 .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect(),
-            Some("F16") => raw
+            Dtype::F16 => raw
                 .chunks_exact(2)
-                .map(|c| half_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            Some("BF16") => raw
+            Dtype::BF16 => raw
                 .chunks_exact(2)
-                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            _ => return Err(bad("only F32, F16 and BF16 tensors are supported")),
+            other => {
+                return Err(TrainError::Config(format!(
+                    "adapter_model.safetensors: {name} is {other:?}; only F32, F16 and BF16 are supported"
+                )));
+            }
         };
-        out.insert(name, (shape, values));
+        out.insert(name, (view.shape().to_vec(), values));
     }
     Ok(out)
 }
 
-fn half_to_f32(h: u16) -> f32 {
-    burn::tensor::f16::from_bits(h).to_f32()
-}
-
-/// The type of a merged model's weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MergeType {
-    F32,
-    Q8_0,
-}
-
 /// The base GGUF with every adapted weight replaced by `W + (alpha/r)·B·A` (computed in f32 on
-/// the host). With `MergeType::F32` every tensor is written as F32; with `Q8_0` every 2-D weight
-/// whose rows are a multiple of 32 is re-quantized to Q8_0 (as llama.cpp's `q8_0` file type;
-/// norms stay F32). Other metadata is copied.
+/// the host), its tensors stored as `ty` by [`toy_core::gguf::convert`] (matrices as `ty`, norms
+/// F32, as `toy convert` does). Other metadata is copied.
 pub fn merge(
     base: &GgufFile,
     adapter: &Adapter,
-    ty: MergeType,
+    ty: GgmlType,
 ) -> Result<GgufWriter<'static>, TrainError> {
-    let bad = |what: String| TrainError::Config(what);
-    let mut w = GgufWriter::new();
-    for (k, v) in &base.metadata {
-        w.set(k.clone(), v.clone())
-            .map_err(|e| bad(format!("metadata {k}: {e}")))?;
-    }
-    let file_type = match ty {
-        MergeType::F32 => 0u32,
-        MergeType::Q8_0 => 7,
-    };
-    w.set("general.file_type", Value::U32(file_type))
-        .map_err(|e| bad(format!("general.file_type: {e}")))?;
     let mut by_name: BTreeMap<String, &AdapterTensor> = BTreeMap::new();
     for t in &adapter.tensors {
         by_name.insert(
@@ -494,34 +446,20 @@ pub fn merge(
         );
     }
     let scale = adapter.alpha / adapter.rank.max(1) as f32;
-    for info in &base.tensors {
-        let mut values =
-            tensor_to_f32(base, info).map_err(|e| bad(format!("tensor {}: {e}", info.name)))?;
+    let w = convert(base, ty, |info, values| {
         if let Some(t) = by_name.remove(&info.name) {
             if info.dims != [t.inp as u64, t.out as u64] {
-                return Err(bad(format!(
+                return Err(TrainError::Config(format!(
                     "adapter for {} is [{}, {}] (in, out), the base tensor has dims {:?}: wrong base model?",
                     info.name, t.inp, t.out, info.dims
                 )));
             }
-            add_scaled_product(&mut values, &t.b, &t.a, t.out, t.rank, t.inp, scale);
+            add_scaled_product(values, &t.b, &t.a, t.out, t.rank, t.inp, scale);
         }
-        let quantize_it = ty == MergeType::Q8_0 && info.dims.len() == 2 && info.dims[0] % 32 == 0;
-        let (gtype, bytes) = if quantize_it {
-            let q = quantize(GgmlType::Q8_0, &values)
-                .map_err(|e| bad(format!("tensor {}: {e}", info.name)))?;
-            (GgmlType::Q8_0, q)
-        } else {
-            (
-                GgmlType::F32,
-                values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )
-        };
-        w.add_tensor(info.name.clone(), &info.dims, gtype, bytes)
-            .map_err(|e| bad(format!("tensor {}: {e}", info.name)))?;
-    }
+        Ok(())
+    })?;
     if let Some(name) = by_name.keys().next() {
-        return Err(bad(format!(
+        return Err(TrainError::Config(format!(
             "the adapter has {name}, which the base model lacks: wrong base model?"
         )));
     }
@@ -556,24 +494,6 @@ fn add_scaled_product(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn safetensors_round_trip() {
-        let entries = vec![
-            (
-                "x.lora_A.weight".to_string(),
-                vec![2, 3],
-                vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
-            ),
-            ("x.lora_B.weight".to_string(), vec![1, 2], vec![-1.0, 0.5]),
-        ];
-        let bytes = safetensors_bytes(&entries);
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        assert_eq!(n % 8, 0);
-        let back = read_safetensors(&bytes).unwrap();
-        assert_eq!(back["x.lora_A.weight"], (vec![2, 3], entries[0].2.clone()));
-        assert_eq!(back["x.lora_B.weight"], (vec![1, 2], entries[1].2.clone()));
-    }
 
     #[test]
     fn scaled_product_adds_b_times_a() {

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use toy_core::rng::SplitMix64;
 use toy_core::tokenizer::Tokenizer;
 
 use crate::TrainError;
@@ -239,30 +240,6 @@ impl Batch {
     /// Predicted tokens in this batch.
     pub fn n_targets(&self) -> usize {
         self.batch * self.seq_len
-    }
-}
-
-/// SplitMix64: a tiny, well-mixed generator whose output is fixed forever (unlike a library RNG
-/// whose algorithm may change between versions), so recorded loss curves stay reproducible.
-#[derive(Debug, Clone)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> Self {
-        SplitMix64(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-40 for the sizes here).
-    pub fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
     }
 }
 

@@ -10,30 +10,33 @@
 //! `A` is drawn from the run's seed like every from-scratch matrix ([`crate::init`]): N(0, 1/in),
 //! one stream per (layer, target); `B` starts at zero, so the adapted model starts as the base.
 
+use std::path::{Path, PathBuf};
+
 use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
 use toy_core::config::ModelConfig;
-use toy_core::gguf::{GgufFile, tensor_to_f32};
+use toy_core::gguf::GgufFile;
 use toy_kernels::ToyBackend;
-use toy_models::lora::{Target, install, new_adapters};
-use toy_models::qlinear::QLinear;
+use toy_models::llama::Ffn;
+use toy_models::lora::{Target, install, new_adapters, projection_mut};
 use toy_models::{LlamaConfig, Transformer};
 
 use crate::TrainError;
 use crate::adapter::Heads;
 use crate::config::{Recipe, TrainConfig};
-use crate::data::SplitMix64;
 use crate::init::normals;
+use toy_core::rng::SplitMix64;
 
-/// The base of a fine-tuning run: its file and config.
+/// The base of a fine-tuning run: its path, file and config.
 pub struct Base {
+    pub path: PathBuf,
     pub file: GgufFile,
     pub config: ModelConfig,
 }
 
 impl Base {
-    pub fn open(path: &std::path::Path) -> Result<Self, TrainError> {
+    pub fn open(path: &Path) -> Result<Self, TrainError> {
         let file = GgufFile::open(path).map_err(|e| {
             TrainError::Config(format!(
                 "cannot open the base model {}: {e}",
@@ -42,7 +45,11 @@ impl Base {
         })?;
         let config = ModelConfig::from_gguf(&file)
             .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
-        Ok(Base { file, config })
+        Ok(Base {
+            path: path.to_path_buf(),
+            file,
+            config,
+        })
     }
 
     /// The llama config of the model trained from this base (`full` unties the output head:
@@ -63,28 +70,16 @@ impl Base {
     }
 
     /// A name for the base in adapter files: `general.name`, or the file name.
-    pub fn name(&self, path: &std::path::Path) -> String {
+    pub fn name(&self) -> String {
         match self.file.get_str("general.name").ok().flatten() {
             Some(n) => n.to_string(),
-            None => path
+            None => self
+                .path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
         }
     }
-}
-
-/// Whether any of the model's projections is quantized (kept packed).
-pub fn has_quantized<B: Backend>(model: &Transformer<B>) -> bool {
-    let packed = |w: &QLinear<B>| !matches!(w, QLinear::Dense(_));
-    model.blocks.iter().any(|b| {
-        let a = &b.attn;
-        let mlp = match &b.ffn {
-            toy_models::llama::Ffn::Dense(m) => packed(&m.gate) || packed(&m.up) || packed(&m.down),
-            toy_models::llama::Ffn::Moe(_) => false,
-        };
-        packed(&a.wq) || packed(&a.wk) || packed(&a.wv) || packed(&a.wo) || mlp
-    }) || packed(&model.output)
 }
 
 /// The starting model of a fine-tuning recipe (see the module docs), on `device`.
@@ -96,10 +91,10 @@ pub fn start_model<B: ToyBackend>(
     let (_, model) = toy_models::load::<B>(&base.file, device, |_, _| {})
         .map_err(|e| TrainError::Config(format!("cannot load the base model: {e}")))?;
     match &config.recipe {
-        Recipe::Full { .. } => dequantize(model, &base.file, device),
+        Recipe::Full { .. } => dequantize(model),
         Recipe::Lora { adapter, .. } | Recipe::Qlora { adapter, .. } => {
             let model = match config.recipe {
-                Recipe::Lora { .. } => dequantize(model, &base.file, device)?,
+                Recipe::Lora { .. } => dequantize(model)?,
                 _ => model,
             };
             let model = model.map(&mut Freeze);
@@ -134,51 +129,19 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
     }
 }
 
-/// Replace every packed projection with its f32 weight read from `file` (llama.cpp's
-/// dequantization, exact in f32).
-pub fn dequantize<B: ToyBackend>(
-    mut model: Transformer<B>,
-    file: &GgufFile,
-    device: &B::Device,
-) -> Result<Transformer<B>, TrainError> {
-    let dense = |w: &mut QLinear<B>, name: &str| -> Result<(), TrainError> {
-        if matches!(w, QLinear::Dense(_)) {
-            return Ok(());
+/// Replace every packed projection (and a packed output head) with its f32 weight
+/// ([`QLinear::dequantized`]: llama.cpp's dequantization, exact in f32).
+pub fn dequantize<B: ToyBackend>(mut model: Transformer<B>) -> Result<Transformer<B>, TrainError> {
+    model.output = model.output.dequantized();
+    for block in &mut model.blocks {
+        if matches!(block.ffn, Ffn::Moe(_)) {
+            return Err(TrainError::Config(
+                "fine-tuning a mixture-of-experts base is not supported".into(),
+            ));
         }
-        let info = file
-            .tensor(name)
-            .ok_or_else(|| TrainError::Config(format!("the base lacks {name}")))?;
-        let values =
-            tensor_to_f32(file, info).map_err(|e| TrainError::Config(format!("{name}: {e}")))?;
-        let shape = [info.dims[1] as usize, info.dims[0] as usize];
-        *w = QLinear::Dense(Param::from_tensor(Tensor::from_data(
-            TensorData::new(values, shape),
-            device,
-        )));
-        Ok(())
-    };
-    let output = if file.tensor("output.weight").is_some() {
-        "output.weight"
-    } else {
-        "token_embd.weight"
-    };
-    dense(&mut model.output, output)?;
-    for (i, b) in model.blocks.iter_mut().enumerate() {
-        let name = |t: &str| format!("blk.{i}.{t}.weight");
-        dense(&mut b.attn.wq, &name("attn_q"))?;
-        dense(&mut b.attn.wk, &name("attn_k"))?;
-        dense(&mut b.attn.wv, &name("attn_v"))?;
-        dense(&mut b.attn.wo, &name("attn_output"))?;
-        match &mut b.ffn {
-            toy_models::llama::Ffn::Dense(m) => {
-                dense(&mut m.gate, &name("ffn_gate"))?;
-                dense(&mut m.up, &name("ffn_up"))?;
-                dense(&mut m.down, &name("ffn_down"))?;
-            }
-            toy_models::llama::Ffn::Moe(_) => {
-                return Err(TrainError::Config(
-                    "fine-tuning a mixture-of-experts base is not supported".into(),
-                ));
+        for t in Target::ALL {
+            if let Some(w) = projection_mut(block, t) {
+                *w = w.dequantized();
             }
         }
     }

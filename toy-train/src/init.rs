@@ -16,7 +16,7 @@ use burn::tensor::{Tensor, TensorData};
 use toy_kernels::ToyBackend;
 use toy_models::{Gpt2, Gpt2Config, LlamaConfig, Transformer};
 
-use crate::data::SplitMix64;
+use toy_core::rng::SplitMix64;
 
 /// A model of shape `config` with weights drawn from `seed` (see the module docs).
 pub fn init_model<B: ToyBackend>(

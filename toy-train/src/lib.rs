@@ -48,6 +48,8 @@ pub enum TrainError {
     Record(String),
     #[error("cannot write the model: {0}")]
     Save(#[from] toy_models::SaveError),
+    #[error("{0}")]
+    Gguf(#[from] toy_core::gguf::GgufError),
     #[error("training diverged at step {step}: the gradient norm is {grad_norm}; lower --lr")]
     Diverged { step: usize, grad_norm: f64 },
     #[error("backend error: {0}")]

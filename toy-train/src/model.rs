@@ -13,8 +13,8 @@ use toy_kernels::ToyBackend;
 use toy_models::{CausalLm, Gpt2Config, LlamaConfig, Model, Transformer};
 
 use crate::TrainError;
-use crate::data::SplitMix64;
 use crate::init::{init_gpt2, init_model, normals};
+use toy_core::rng::SplitMix64;
 
 /// The architecture and shape of the model being trained.
 #[derive(Debug, Clone)]

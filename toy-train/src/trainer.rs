@@ -156,11 +156,10 @@ impl TrainSetup {
         match (&self.base, self.config.recipe.adapter(), model) {
             (Some(base), Some(a), Model::Llama(model)) => {
                 let adapter = Adapter::from_model(model, a.alpha, a.dropout)?;
-                let base_path = self.config.recipe.base().unwrap_or(Path::new(""));
                 adapter.write_all(
                     &run.path,
                     base.heads(),
-                    &base.name(base_path),
+                    &base.name(),
                     &format!("toy {} {}", self.config.recipe, run.id),
                 )
             }

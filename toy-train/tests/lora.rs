@@ -2,57 +2,30 @@
 //! base stays bit-identical and has no gradient); base + adapter gives the merged model's logits;
 //! the adapter files round-trip; LoRA and QLoRA on SmolLM2-135M reduce the loss.
 
+mod common;
+
 use std::ops::ControlFlow;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::{fixtures, info, lm_loss, scratch, smollm2};
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Module, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData, activation};
-use toy_core::gguf::GgufFile;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use toy_core::gguf::{GgmlType, GgufFile};
 use toy_kernels::ToyBackend;
 use toy_models::lora::{self, LoraSpec, Target};
 use toy_models::{LlamaConfig, Transformer};
-use toy_train::adapter::{Adapter, Heads, MergeType, merge};
+use toy_train::adapter::{Adapter, Heads, merge};
 use toy_train::config::LoraSettings;
 use toy_train::events::{Event, Record};
-use toy_train::{DataConfig, Preset, Recipe, RunDir, RunInfo, TrainConfig, TrainSetup};
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
-}
+use toy_train::{DataConfig, Preset, Recipe, RunDir, TrainConfig, TrainSetup};
 
 /// The tiny llama trained on the bundled corpus (4 layers × 128, F32): a small base.
 fn tiny_base() -> PathBuf {
     fixtures().join("corpus/trained/model.gguf")
-}
-
-fn smollm2(kind: &str) -> PathBuf {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
-        });
-    let path = cache.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-smollm2.sh first",
-        path.display()
-    );
-    path
-}
-
-fn runs_root(name: &str) -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "lora-{name}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 fn spec(targets: &[Target]) -> LoraSpec {
@@ -89,16 +62,7 @@ fn with_random_adapters<B: ToyBackend>(
     .unwrap();
     for (layer, block) in adapters.blocks.iter_mut().enumerate() {
         for t in Target::ALL {
-            let slot = match t {
-                Target::Q => &mut block.q,
-                Target::K => &mut block.k,
-                Target::V => &mut block.v,
-                Target::O => &mut block.o,
-                Target::Gate => &mut block.gate,
-                Target::Up => &mut block.up,
-                Target::Down => &mut block.down,
-            };
-            if let Some(l) = slot {
+            if let Some(l) = block.slot(t) {
                 let [out, r] = l.b.dims();
                 let b = values(out * r, 1000 + layer as u64 * 31 + t as u64, 0.2);
                 l.b = Param::from_tensor(Tensor::from_data(TensorData::new(b, [out, r]), &device));
@@ -106,18 +70,6 @@ fn with_random_adapters<B: ToyBackend>(
         }
     }
     lora::install(model, adapters).unwrap()
-}
-
-fn loss<B: ToyBackend>(model: &Transformer<B>, tokens: &[i64], batch: usize) -> Tensor<B, 1> {
-    let device = model.device();
-    let t = tokens.len() / batch;
-    let all = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
-    let input = all.clone().narrow(1, 0, t - 1);
-    let target = all.narrow(1, 1, t - 1).reshape([batch * (t - 1), 1]);
-    let logits = model.forward(input, &mut model.new_cache());
-    let vocab = logits.dims()[2];
-    let logp = activation::log_softmax(logits.reshape([batch * (t - 1), vocab]), 1);
-    logp.gather(1, target).mean().neg()
 }
 
 /// Gradients of A and B of every target against central differences (with Richardson
@@ -133,7 +85,7 @@ fn lora_gradients_match_finite_differences() {
     let model = with_random_adapters(base, &Target::ALL);
     let tokens: Vec<i64> = (0..2 * 7).map(|i| (i * 5 + 3) % 13).collect();
 
-    let l = loss(&model, &tokens, 2);
+    let l = lm_loss(&model, &tokens, 2);
     let grads = l.backward();
     let mut checked = 0;
     for (layer, block) in model.blocks.iter().enumerate() {
@@ -164,7 +116,7 @@ fn lora_gradients_match_finite_differences() {
                     let mut v: Vec<f64> = p.val().into_data().convert::<f64>().into_vec().unwrap();
                     v[idx] += delta;
                     *p = Param::from_tensor(Tensor::from_data(TensorData::new(v, dims), &device));
-                    loss(&shifted, &tokens, 2).into_scalar().elem::<f64>()
+                    lm_loss(&shifted, &tokens, 2).into_scalar().elem::<f64>()
                 };
                 let h = 1e-2;
                 let d1 = (value_at(h) - value_at(-h)) / (2.0 * h);
@@ -203,7 +155,7 @@ fn only_adapters_train() {
     let tokens: Vec<i64> = (0..2 * 17).map(|i| (i * 37 + 11) % 800).collect();
     let mut optim = AdamWConfig::new().init::<Ad, Transformer<Ad>>();
     for _ in 0..3 {
-        let grads = loss(&model, &tokens, 2).backward();
+        let grads = lm_loss(&model, &tokens, 2).backward();
         let grads = GradientsParams::from_grads(grads, &model);
         // 2 tensors (A, B) per target per layer, nothing else.
         assert_eq!(grads.len(), 2 * 7 * n_layer);
@@ -278,7 +230,7 @@ fn merged_model_equals_base_plus_adapter() {
     let adapted = with_random_adapters(base, &Target::ALL);
     let adapter = Adapter::from_model(&adapted, 8.0, 0.0).unwrap();
 
-    let dir = runs_root("merge");
+    let dir = scratch("lora-merge");
     std::fs::create_dir_all(&dir).unwrap();
     let heads = Heads {
         n_head: config.n_head,
@@ -290,7 +242,7 @@ fn merged_model_equals_base_plus_adapter() {
     let from_peft = Adapter::read_peft(&dir, heads).unwrap();
     assert_eq!(from_peft.tensors, adapter.tensors);
 
-    merge(&file, &from_gguf, MergeType::F32)
+    merge(&file, &from_gguf, GgmlType::F32)
         .unwrap()
         .write_atomic(dir.join("merged.gguf"))
         .unwrap();
@@ -342,20 +294,8 @@ fn fine_tune_reduces_loss(recipe: &str, base: PathBuf) {
         .data
         .batches_per_epoch(config.optim.batch_size);
     config.optim.steps = 2 * per_epoch;
-    let setup = TrainSetup::prepare(config).unwrap();
-    let run = RunDir::create(&runs_root(recipe), "run").unwrap();
-    let info = RunInfo {
-        backend: "cpu".into(),
-        git_revision: None,
-    };
-    let mut losses = Vec::new();
-    let mut observer = |r: &Record| {
-        if let Event::Step { loss, .. } = &r.event {
-            losses.push(*loss);
-        }
-        ControlFlow::Continue(())
-    };
-    toy_train::train::<Flex>(&run, &setup, &info, &Default::default(), &mut observer).unwrap();
+    let run = common::run(&scratch(&format!("lora-{recipe}")), "run", config, None);
+    let losses = common::losses(&run);
     eprintln!("{recipe} losses: {losses:?}");
     assert_eq!(losses.len(), 2 * per_epoch);
     let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
@@ -422,10 +362,6 @@ fn run_steps(
         Ok(run) if run.latest().unwrap().is_some() => run,
         _ => RunDir::create(root, id).unwrap(),
     };
-    let info = RunInfo {
-        backend: "cpu".into(),
-        git_revision: None,
-    };
     let mut losses = Vec::new();
     let mut observer = |r: &Record| match (&r.event, stop_at) {
         (Event::Step { loss, .. }, _) => {
@@ -435,7 +371,7 @@ fn run_steps(
         (Event::Checkpoint { step, .. }, Some(at)) if *step >= at => ControlFlow::Break(()),
         _ => ControlFlow::Continue(()),
     };
-    toy_train::train::<Flex>(&run, &setup, &info, &Default::default(), &mut observer).unwrap();
+    toy_train::train::<Flex>(&run, &setup, &info(), &Default::default(), &mut observer).unwrap();
     losses
 }
 
@@ -444,7 +380,7 @@ fn run_steps(
 /// adapter file.
 #[test]
 fn lora_resume_continues_the_same_curve() {
-    let root = runs_root("resume");
+    let root = scratch("lora-resume");
     let whole = run_steps(&root, "whole", tiny_run_config("lora", 4), None);
     let first = run_steps(&root, "split", tiny_run_config("lora", 4), Some(2));
     assert_eq!(first, whole[..2]);
@@ -471,7 +407,7 @@ fn lora_resume_continues_the_same_curve() {
 /// of the instruction text its mean loss falls.
 #[test]
 fn full_fine_tune_trains_the_base() {
-    let root = runs_root("full");
+    let root = scratch("lora-full");
     let config = tiny_run_config("full", 1);
     let per_epoch = TrainSetup::prepare(config.clone())
         .unwrap()

@@ -3,84 +3,16 @@
 //! the exact curve of an uninterrupted run, gradient accumulation of k micro-batches of b equals
 //! one batch of k·b, and the checkpoint GGUF loads in toy with the run's tokenizer.
 
+mod common;
+
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn::backend::Flex;
+use common::{info, losses, run, scratch, small_config as config};
 use toy_core::gguf::GgufFile;
 use toy_core::tokenizer::Tokenizer;
 use toy_train::events::{Event, Record, read_events};
-use toy_train::{DataConfig, ModelShape, Preset, RunDir, RunInfo, TrainConfig, TrainSetup, train};
-
-fn corpus_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/corpus")
-}
-
-/// A fresh directory for runs, unique per test and process.
-fn runs_root(name: &str) -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "train-{name}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-/// A small model and a short schedule: a second or two per run on one core.
-fn config(steps: usize) -> TrainConfig {
-    let data = DataConfig {
-        files: vec![corpus_dir().join("stories.txt")],
-        tokenizer: corpus_dir().join("tokenizer.gguf"),
-        val_fraction: 0.05,
-    };
-    let mut c = TrainConfig::from_preset(Preset::Tiny, data, 7);
-    c.model = ModelShape {
-        n_layer: 2,
-        d_model: 64,
-        n_head: 4,
-        n_head_kv: 2,
-        d_ff: 128,
-        context_length: 64,
-        ..c.model
-    };
-    c.optim.steps = steps;
-    c.optim.batch_size = 4;
-    c.optim.seq_len = 32;
-    c.optim.warmup_steps = 2;
-    c.cadence.eval_every = 0;
-    c.cadence.eval_batches = 2;
-    c.cadence.checkpoint_every = 0;
-    c.cadence.sample_tokens = 8;
-    c
-}
-
-fn info() -> RunInfo {
-    RunInfo {
-        backend: "cpu".into(),
-        git_revision: None,
-    }
-}
-
-/// Run `config` in a new run directory; stop after the first checkpoint at or past `stop_at`.
-fn run(root: &Path, id: &str, config: TrainConfig, stop_at: Option<usize>) -> RunDir {
-    let run = RunDir::create(root, id).unwrap();
-    let setup = TrainSetup::prepare(config).unwrap();
-    train::<Flex>(
-        &run,
-        &setup,
-        &info(),
-        &Default::default(),
-        &mut |r: &Record| match (&r.event, stop_at) {
-            (Event::Checkpoint { step, .. }, Some(at)) if *step >= at => ControlFlow::Break(()),
-            _ => ControlFlow::Continue(()),
-        },
-    )
-    .unwrap();
-    run
-}
+use toy_train::{RunDir, TrainSetup, train};
 
 fn resume(run: &RunDir) {
     let setup = TrainSetup::prepare(run.read_config().unwrap()).unwrap();
@@ -94,36 +26,24 @@ fn resume(run: &RunDir) {
     .unwrap();
 }
 
-/// The `step` events' losses, in order.
-fn losses(run: &RunDir) -> Vec<(usize, f64)> {
-    read_events(&run.events_path())
-        .unwrap()
-        .into_iter()
-        .filter_map(|r| match r.event {
-            Event::Step { step, loss, .. } => Some((step, loss)),
-            _ => None,
-        })
-        .collect()
-}
-
 #[test]
 fn loss_falls_and_the_checkpoint_loads() {
-    let root = runs_root("falls");
+    let root = scratch("train-falls");
     let run = run(&root, "a", config(30), None);
     let curve = losses(&run);
     assert_eq!(curve.len(), 30);
     let vocab = 828f64;
     assert!(
         // Unit-variance logits at init add ~0.5 nats to the uniform ln(vocab).
-        (curve[0].1 - vocab.ln()).abs() < 1.0,
+        (curve[0] - vocab.ln()).abs() < 1.0,
         "first loss {} should be near ln(vocab) = {}",
-        curve[0].1,
+        curve[0],
         vocab.ln()
     );
     assert!(
-        curve[29].1 < 0.6 * vocab.ln(),
+        curve[29] < 0.6 * vocab.ln(),
         "loss after 30 steps {} did not fall enough",
-        curve[29].1
+        curve[29]
     );
     let events = read_events(&run.events_path()).unwrap();
     let kinds: Vec<&str> = events
@@ -161,7 +81,7 @@ fn loss_falls_and_the_checkpoint_loads() {
 
 #[test]
 fn same_seed_same_curve_and_resume_continues_it() {
-    let root = runs_root("resume");
+    let root = scratch("train-resume");
     let mut c = config(8);
     c.cadence.checkpoint_every = 3;
     let straight = run(&root, "straight", c.clone(), None);

@@ -3,105 +3,38 @@
 //! from SmolLM2's embeddings through a projection folded into `token_embd`, pre-tokenized
 //! data, and the loss curve of a fixed-seed run reproduced bit for bit from a committed fixture.
 
-use std::ops::ControlFlow;
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::{corpus_dir, fixtures, lm_loss, losses, scratch, small_config, smollm2};
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData, activation};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 use toy_core::gguf::GgufFile;
-use toy_kernels::ToyBackend;
 use toy_models::gpt2::Gpt2;
 use toy_models::{Gpt2Config, Model, QLinear};
 use toy_train::config::Arch;
-use toy_train::events::{Event, Record, read_events};
+use toy_train::events::{Event, read_events};
 use toy_train::model::{DonorEmbedding, Trainee, init_trainee};
 use toy_train::optim::OptimRecord;
-use toy_train::{
-    DataConfig, ModelShape, Preset, Recipe, RunDir, RunInfo, TrainConfig, TrainSetup, train,
-};
-
-fn corpus_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/corpus")
-}
+use toy_train::{DataConfig, ModelShape, Recipe, RunDir, TrainConfig, TrainSetup};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures/train")
-        .join(name)
+    fixtures().join("train").join(name)
 }
 
-/// A fresh directory, unique per test and process.
-fn scratch(name: &str) -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "variants-{name}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-/// A small model and a short schedule on the bundled corpus.
+/// `small_config` as `arch`.
 fn config(arch: Arch, steps: usize) -> TrainConfig {
-    let data = DataConfig {
-        files: vec![corpus_dir().join("stories.txt")],
-        tokenizer: corpus_dir().join("tokenizer.gguf"),
-        val_fraction: 0.05,
-    };
-    let mut c = TrainConfig::from_preset(Preset::Tiny, data, 7);
-    c.model = ModelShape {
-        n_layer: 2,
-        d_model: 64,
-        n_head: 4,
-        n_head_kv: 2,
-        d_ff: 128,
-        context_length: 64,
-        ..c.model
-    }
-    .with_arch(arch);
-    c.optim.steps = steps;
-    c.optim.batch_size = 4;
-    c.optim.seq_len = 32;
-    c.optim.warmup_steps = 2;
-    c.cadence.eval_every = 0;
-    c.cadence.eval_batches = 2;
-    c.cadence.checkpoint_every = 0;
-    c.cadence.sample_tokens = 8;
+    let mut c = small_config(steps);
+    c.model = c.model.with_arch(arch);
     c
 }
 
 fn run(root: &Path, config: TrainConfig) -> RunDir {
-    let run = RunDir::create(root, "run").unwrap();
-    let setup = TrainSetup::prepare(config).unwrap();
-    let info = RunInfo {
-        backend: "cpu".into(),
-        git_revision: None,
-    };
-    train::<Flex>(
-        &run,
-        &setup,
-        &info,
-        &Default::default(),
-        &mut |_: &Record| ControlFlow::Continue(()),
-    )
-    .unwrap();
-    run
-}
-
-/// The `step` events' losses, in order.
-fn losses(run: &RunDir) -> Vec<f64> {
-    read_events(&run.events_path())
-        .unwrap()
-        .into_iter()
-        .filter_map(|r| match r.event {
-            Event::Step { loss, .. } => Some(loss),
-            _ => None,
-        })
-        .collect()
+    common::run(root, "run", config, None)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -110,18 +43,6 @@ fn losses(run: &RunDir) -> Vec<f64> {
 // `gelu_ggml`'s f16 rounding (a round-to-nearest by adding and subtracting 1.5·2^23·ulp, exact in
 // f32) rounds at ~1e-9 only, so the loss is smooth; the step and extrapolation are those of
 // `toy-models/tests/autodiff.rs`.
-
-fn gpt2_loss<B: ToyBackend>(model: &Gpt2<B>, tokens: &[i64], batch: usize) -> Tensor<B, 1> {
-    let device = model.device();
-    let t = tokens.len() / batch;
-    let all = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
-    let input = all.clone().narrow(1, 0, t - 1);
-    let target = all.narrow(1, 1, t - 1).reshape([batch * (t - 1), 1]);
-    let logits = model.forward(input, &mut model.new_cache());
-    let vocab = logits.dims()[2];
-    let logp = activation::log_softmax(logits.reshape([batch * (t - 1), vocab]), 1);
-    logp.gather(1, target).mean().neg()
-}
 
 /// Add `delta` to coordinate `idx` (flat) of the parameter `id`.
 struct Bump {
@@ -176,7 +97,7 @@ fn gpt2_gradients_match_finite_differences() {
     let model: Gpt2<B> = Gpt2Config::new(2, 16, 4, 40, 19, 12).init(&device);
     let tokens: Vec<i64> = vec![1, 5, 9, 2, 17, 3, 3, 8, 0, 12, 4, 18, 6, 11];
     let batch = 2;
-    let grads = gpt2_loss(&model, &tokens, batch).backward();
+    let grads = lm_loss(&model, &tokens, batch).backward();
     let inner = model.valid();
 
     let b0 = &model.blocks[0];
@@ -218,7 +139,7 @@ fn gpt2_gradients_match_finite_differences() {
         ("output_norm.bias", model.output_norm.bias.id, 12),
         ("output", dense_id(&model.output), 7 * 16 + 2),
     ];
-    let loss_at = |m: &Gpt2<NdArray<f64>>| gpt2_loss(m, &tokens, batch).into_scalar().elem::<f64>();
+    let loss_at = |m: &Gpt2<NdArray<f64>>| lm_loss(m, &tokens, batch).into_scalar().elem::<f64>();
     let eps = 1e-2;
     for (name, id, idx) in cases {
         let mut visit = GradOf::<B> {
@@ -246,7 +167,7 @@ fn gpt2_gradients_match_finite_differences() {
 
 #[test]
 fn gpt2_trains_from_scratch_and_saves_a_gpt2_gguf() {
-    let root = scratch("gpt2");
+    let root = scratch("variants-gpt2");
     let run = run(&root, config(Arch::Gpt2, 30));
     let curve = losses(&run);
     assert_eq!(curve.len(), 30);
@@ -305,21 +226,6 @@ fn gpt2_trains_from_scratch_and_saves_a_gpt2_gguf() {
 // ---------------------------------------------------------------------------------------------
 // Warm start.
 
-fn smollm2_q8_0() -> PathBuf {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
-        });
-    let path = cache.join("SmolLM2-135M-Instruct.Q8_0.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-smollm2.sh first",
-        path.display()
-    );
-    path
-}
-
 /// A few KB of the bundled stories as a text file of its own (SmolLM2's 49k vocabulary makes
 /// the logits large; a short text keeps the test quick).
 fn short_text(dir: &Path) -> PathBuf {
@@ -358,8 +264,8 @@ fn warm_config(donor: &Path, text: PathBuf) -> TrainConfig {
 
 #[test]
 fn warm_start_from_smollm2_folds_the_projection_into_token_embd() {
-    let donor = smollm2_q8_0();
-    let root = scratch("warm");
+    let donor = smollm2("Q8_0");
+    let root = scratch("variants-warm");
     let config = warm_config(&donor, short_text(&root));
     let run = run(&root, config.clone());
     let curve = losses(&run);
@@ -431,8 +337,8 @@ fn warm_start_from_smollm2_folds_the_projection_into_token_embd() {
 
 #[test]
 fn warm_start_at_the_donor_width_copies_the_embeddings() {
-    let donor = smollm2_q8_0();
-    let root = scratch("warm-same");
+    let donor = smollm2("Q8_0");
+    let root = scratch("variants-warm-same");
     let mut config = warm_config(&donor, short_text(&root));
     config.model = ModelShape {
         d_model: 576,
@@ -460,7 +366,7 @@ fn warm_start_at_the_donor_width_copies_the_embeddings() {
 
 #[test]
 fn pre_tokenized_files_train_like_their_text() {
-    let root = scratch("u32");
+    let root = scratch("variants-u32");
     std::fs::create_dir_all(&root).unwrap();
     let text = config(Arch::Llama, 1);
     let from_text = TrainSetup::prepare(text.clone()).unwrap();
@@ -512,7 +418,7 @@ fn curve_config() -> TrainConfig {
 
 #[test]
 fn loss_curve_reproduces_the_fixture_bit_for_bit() {
-    let root = scratch("curve");
+    let root = scratch("variants-curve");
     let curve = losses(&run(&root, curve_config()));
     std::fs::remove_dir_all(&root).unwrap();
     let path = fixture("loss_curve.json");

@@ -2,6 +2,7 @@
 //! every common block type to f32, and quantization to Q8_0 / Q4_0 with ggml's reference
 //! algorithms.
 
+mod convert;
 mod dequant;
 mod quant;
 mod read;
@@ -10,6 +11,7 @@ mod write;
 
 use std::path::PathBuf;
 
+pub use convert::{convert, file_type};
 pub use dequant::{DEQUANT_TYPES, dequantize, dequantize_to_vec, tensor_to_f32};
 pub use quant::{QUANT_TYPES, quantize, quantize_q4_0, quantize_q8_0};
 pub use read::{DEFAULT_ALIGNMENT, GgufFile, MAGIC, MAX_DIMS, MAX_NAME_LEN, TensorInfo};
