@@ -11,6 +11,8 @@
 //!   `T × T` matrix) chunk by chunk of query rows, so memory stays O(T), and applies the softmax
 //!   backward; grouped-query heads sum their K/V gradients through the same reshape the
 //!   reference uses.
+//! - Cross-entropy: `dlogits = (softmax - onehot) · dloss / n`, from the saved logits and each
+//!   row's `logsumexp`.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -18,7 +20,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorPrimitive};
 
 use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
@@ -217,6 +219,31 @@ fn attention_backward<B: ToyBackend>(
     (prim(d_q), prim(d_k), prim(d_v))
 }
 
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl<B: ToyBackend> Backward<B, 1> for CrossEntropyBackward {
+    /// The logits, the targets and each row's `logsumexp`.
+    type State = (FloatTensor<B>, IntTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_logits] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(node_logits) = node_logits else {
+            return;
+        };
+        let (logits, targets, logsumexp) = ops.state;
+        let x = float::<B, 2>(logits);
+        let [n, _] = x.dims();
+        let targets = Tensor::<B, 1, Int>::from_primitive(targets).reshape([n, 1]);
+        let softmax = (x - float::<B, 2>(logsumexp)).exp();
+        let minus_one = Tensor::<B, 2>::full([n, 1], -1.0, (&softmax.device(), softmax.dtype()));
+        let dlogits = softmax.scatter(1, targets, minus_one, IndexingUpdateOp::Add);
+        let dloss = float::<B, 1>(grad).div_scalar(n as f32).reshape([1, 1]);
+        grads.register::<B>(node_logits.id, prim(dlogits * dloss));
+    }
+}
+
 impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
     fn q8_0_matmul(
         x: FloatTensor<Self>,
@@ -286,6 +313,20 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
                 v.primitive,
                 options,
             )),
+        }
+    }
+    fn cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>) -> FloatTensor<Self> {
+        match CrossEntropyBackward
+            .prepare::<C>([logits.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (loss, logsumexp) =
+                    reference::cross_entropy::<B>(logits.primitive.clone(), targets.clone());
+                prep.finish((logits.primitive, targets, logsumexp), loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::cross_entropy(logits.primitive, targets)),
         }
     }
 }

@@ -121,6 +121,14 @@ pub trait ToyBackend: Backend {
     ) -> FloatTensor<Self> {
         reference::attention::<Self>(q, k, v, options)
     }
+
+    /// Mean cross-entropy (natural log) of `logits[n, vocab]` against class ids `targets[n]`:
+    /// `mean(logsumexp(row) - row[target])`, shape `[1]`. Under `Autodiff` its backward is the
+    /// closed form `(softmax - onehot) / n`, instead of burn's graph through `log_softmax` and
+    /// `gather` (several vocabulary-wide temporaries per token).
+    fn cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>) -> FloatTensor<Self> {
+        reference::cross_entropy::<Self>(logits, targets).0
+    }
 }
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> ToyBackend for NdArray<E, I, Q>

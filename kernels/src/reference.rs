@@ -256,3 +256,26 @@ pub fn attention<B: Backend>(
         .into_primitive()
         .tensor()
 }
+
+/// Mean cross-entropy of `logits[n, vocab]` against `targets[n]` (see
+/// [`ToyBackend::cross_entropy`](crate::ToyBackend::cross_entropy)), and each row's
+/// `logsumexp` `[n, 1]`, which the backward needs. The arithmetic is burn's `log_softmax`
+/// (`x - max` first, then `log Σ exp`) read at the target only, so the loss has the same bits as
+/// `-mean(gather(log_softmax(x), target))` without the vocabulary-wide `log_softmax` tensor.
+pub fn cross_entropy<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let x = float::<B, 2>(logits);
+    let [n, _] = x.dims();
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets).reshape([n, 1]);
+    let max = x.clone().max_dim(1);
+    let log_sum = (x.clone() - max.clone()).exp().sum_dim(1).log();
+    let target_shifted = x.gather(1, targets) - max.clone();
+    let loss = (log_sum.clone() - target_shifted).mean();
+    let logsumexp = log_sum + max;
+    (
+        loss.into_primitive().tensor(),
+        logsumexp.into_primitive().tensor(),
+    )
+}

@@ -387,7 +387,8 @@ fn attention_matches_f64() {
 
 /// The custom backward passes of `Autodiff<B>` (forward by `B`'s own op) against burn's autodiff
 /// of the reference bodies on NdArray, for `L = Σ y ⊙ r`: the gradients w.r.t. x (quantized
-/// matmul), x (RoPE) and q, k, v (attention with GQA 3, a window, a soft-cap and a cache offset).
+/// matmul), x (RoPE), q, k, v (attention with GQA 3, a window, a soft-cap and a cache offset) and
+/// the logits (cross-entropy).
 fn check_grads<B: ToyBackend>() {
     type Ref = Autodiff<NdArray>;
     let (d, dr) = (Default::default(), Default::default());
@@ -532,6 +533,42 @@ fn check_grads<B: ToyBackend>() {
             close(&format!("attention {name} (T = {tq})"), got, &want, 1e-5);
         }
     }
+
+    // Cross-entropy against burn's autodiff of `-mean(gather(log_softmax(x), target))`, with an
+    // upstream gradient of 3 (the loss is scaled): same loss bits, gradients to rounding.
+    let (n, vocab) = (7, 37);
+    let x: Vec<f32> = randn(n * vocab, 12).iter().map(|v| 4.0 * v).collect();
+    let targets: Vec<i64> = (0..n).map(|i| ((i * 11 + 3) % vocab) as i64).collect();
+    let ids =
+        |dev| Tensor::<Autodiff<B>, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), dev);
+    let xt = float::<Autodiff<B>, 2>(x.clone(), [n, vocab], &d).require_grad();
+    let loss = Tensor::<Autodiff<B>, 1>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::cross_entropy(
+            xt.clone().into_primitive().tensor(),
+            ids(&d).into_primitive(),
+        ),
+    ));
+    let got_loss = host(loss.clone());
+    let got = host(xt.grad(&loss.mul_scalar(3.0).backward()).unwrap());
+    let tb = Tensor::<B, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), &d);
+    let want_loss =
+        burn::tensor::activation::log_softmax(float::<B, 2>(x.clone(), [n, vocab], &d), 1)
+            .gather(1, tb.reshape([n, 1]))
+            .mean()
+            .neg();
+    assert_eq!(
+        got_loss[0].to_bits(),
+        host(want_loss)[0].to_bits(),
+        "cross-entropy loss bits"
+    );
+    let xr = float::<Ref, 2>(x, [n, vocab], &dr).require_grad();
+    let tr = Tensor::<Ref, 1, Int>::from_data(TensorData::new(targets, [n]), &dr);
+    let loss = burn::tensor::activation::log_softmax(xr.clone(), 1)
+        .gather(1, tr.reshape([n, 1]))
+        .mean()
+        .neg();
+    let want = host(xr.grad(&loss.mul_scalar(3.0).backward()).unwrap());
+    close("cross_entropy dlogits", &got, &want, 1e-6);
 }
 
 #[test]

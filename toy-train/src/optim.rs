@@ -14,7 +14,7 @@ use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Int, Tensor, activation};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorPrimitive};
 use toy_kernels::ToyBackend;
 use toy_models::Transformer;
 
@@ -26,8 +26,10 @@ pub fn cross_entropy<B: ToyBackend>(
     targets: Tensor<B, 2, Int>,
 ) -> Tensor<B, 1> {
     let [b, t, vocab] = logits.dims();
-    let logp = activation::log_softmax(logits.reshape([b * t, vocab]), 1);
-    logp.gather(1, targets.reshape([b * t, 1])).mean().neg()
+    Tensor::from_primitive(TensorPrimitive::Float(B::cross_entropy(
+        logits.reshape([b * t, vocab]).into_primitive().tensor(),
+        targets.reshape([b * t]).into_primitive(),
+    )))
 }
 
 /// Apply `f` to every gradient of `grads` that belongs to a parameter of `model`.
