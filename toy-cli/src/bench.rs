@@ -94,6 +94,7 @@ impl BackendJob for BenchJob {
         let mut rows: Vec<Row> = args
             .prompt
             .iter()
+            .filter(|&&p| p > 0) // `-p 0`: no prompt test, as in llama-bench
             .map(|&p| row(format!("pp{p}"), p, measure(p, p)))
             .collect();
         if args.n_gen > 0 {
@@ -150,6 +151,12 @@ fn llama_bench(path: &PathBuf, args: &BenchArgs, threads: usize) -> Result<Vec<(
 }
 
 pub fn run(compute: Compute, args: BenchArgs) -> Result<()> {
+    if args.reps == 0 || args.threads == Some(0) {
+        bail!("--reps and --threads must be at least 1");
+    }
+    if args.prompt.iter().all(|&p| p == 0) && args.n_gen == 0 {
+        bail!("nothing to measure: give a prompt length (-p) or a generation length (-n) above 0");
+    }
     let backend = compute.backend;
     let threads = args.threads.unwrap_or_else(|| {
         std::thread::available_parallelism()

@@ -369,3 +369,35 @@ fn oversize_request_is_a_clean_error() {
         "exceeds the context of 8192",
     );
 }
+
+#[test]
+fn bench_arguments_are_checked() {
+    // `-p 0` means no prompt test (as in llama-bench); zero repetitions is an error, not a panic.
+    let out = toy(&[
+        "bench",
+        &model("Q8_0"),
+        "-p",
+        "0",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "-t",
+        "1",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("tg2") && !stdout.contains("pp0"),
+        "{stdout}"
+    );
+    assert_clean_error(&toy(&["bench", &model("Q8_0"), "-r", "0"]), "at least 1");
+    assert_clean_error(
+        &toy(&["bench", &model("Q8_0"), "-p", "0", "-n", "0"]),
+        "nothing to measure",
+    );
+}
