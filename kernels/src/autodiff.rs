@@ -322,6 +322,7 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => {
+                // The reference body, not `B::cross_entropy`: the backward needs its logsumexp.
                 let (loss, logsumexp) =
                     reference::cross_entropy::<B>(logits.primitive.clone(), targets.clone());
                 prep.finish((logits.primitive, targets, logsumexp), loss)

@@ -8,6 +8,9 @@ use serde_json::Value as Json;
 use toy_core::gguf::GgufFile;
 use toy_core::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
+#[path = "../../test-support/smollm2.rs"]
+mod smollm2_path;
+
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -21,19 +24,9 @@ fn read_json(path: &Path) -> Json {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("bad JSON in {}: {e}", path.display()))
 }
 
-/// The real SmolLM2 model. Missing is a failure, not a skip: CI fetches it first.
+/// The real SmolLM2 model's tokenizer.
 fn smollm2() -> Tokenizer {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/toy-models")))
-        .expect("neither TOY_MODEL_CACHE nor HOME is set");
-    let path = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-smollm2.sh (it downloads the model these tests compare \
-         against llama.cpp on)",
-        path.display()
-    );
+    let path = smollm2_path::smollm2("Q4_1");
     let file = GgufFile::open(&path).expect("open SmolLM2 GGUF");
     Tokenizer::from_gguf(&file).expect("SmolLM2 tokenizer")
 }

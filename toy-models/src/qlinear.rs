@@ -86,22 +86,17 @@ impl<B: Backend> QLinear<B> {
     /// The same layer with an f32 weight (`Dense`): a packed weight is dequantized as llama.cpp
     /// and gguf-py do (`d·q`, `d·q + m`, exact in f32); a dense one is returned as it is.
     pub fn dequantized(&self) -> QLinear<B> {
-        let (words, scales) = match self {
-            QLinear::Dense(_) => return self.clone(),
-            QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => {
-                (p.words.val(), p.scales.val())
-            }
-        };
         let w = match self {
+            QLinear::Dense(_) => return self.clone(),
+            QLinear::Q8_0(p) => reference::dequant_q8_0(p.words.val(), p.scales.val()),
+            QLinear::Q4_0(p) => reference::dequant_q4_0(p.words.val(), p.scales.val()),
             QLinear::Q4_1(p) => {
                 let mins = p
                     .mins
                     .as_ref()
                     .expect("PackedMatrix::from_host keeps Q4_1's mins");
-                reference::dequant_q4_1(words, scales, mins.val())
+                reference::dequant_q4_1(p.words.val(), p.scales.val(), mins.val())
             }
-            QLinear::Q4_0(_) => reference::dequant_q4_0(words, scales),
-            _ => reference::dequant_q8_0(words, scales),
         };
         QLinear::Dense(Param::from_tensor(w.detach()))
     }

@@ -1,5 +1,6 @@
 //! Training differentiates the model through burn's `Autodiff` backend, which runs the reference
-//! bodies of the `ToyBackend` ops. Check its gradients of a next-token cross-entropy against
+//! bodies of the `ToyBackend` ops (and the closed-form backward of `cross_entropy`, the loss
+//! training uses). Check its gradients of that next-token cross-entropy against
 //! central finite differences on a tiny model, for a coordinate of every kind of parameter
 //! (embedding, attention projections behind RoPE and GQA, norms, MLP, output head).
 //!
@@ -14,23 +15,14 @@
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData, activation};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 use toy_kernels::ToyBackend;
 use toy_models::llama::{Block, Ffn, Mlp};
 use toy_models::{LlamaConfig, QLinear, Transformer};
 
-/// Mean next-token cross-entropy of `tokens[b, t]` (targets are the tokens shifted by one).
-fn loss<B: ToyBackend>(model: &Transformer<B>, tokens: &[i64], batch: usize) -> Tensor<B, 1> {
-    let device = model.token_embd.weight.val().device();
-    let t = tokens.len() / batch;
-    let all = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
-    let input = all.clone().narrow(1, 0, t - 1);
-    let target = all.narrow(1, 1, t - 1).reshape([batch * (t - 1), 1]);
-    let logits = model.forward(input, &mut model.new_cache());
-    let vocab = logits.dims()[2];
-    let logp = activation::log_softmax(logits.reshape([batch * (t - 1), vocab]), 1);
-    logp.gather(1, target).mean().neg()
-}
+#[path = "../../test-support/next_token_loss.rs"]
+mod next_token_loss;
+use next_token_loss::next_token_loss as loss;
 
 /// A parameter of the model, and one coordinate of it (flat, row-major).
 #[derive(Debug, Clone, Copy)]

@@ -7,7 +7,7 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
-use common::{fixtures, info, lm_loss, scratch, smollm2};
+use common::{fixtures, info, next_token_loss, scratch, smollm2};
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Module, Param};
@@ -85,7 +85,7 @@ fn lora_gradients_match_finite_differences() {
     let model = with_random_adapters(base, &Target::ALL);
     let tokens: Vec<i64> = (0..2 * 7).map(|i| (i * 5 + 3) % 13).collect();
 
-    let l = lm_loss(&model, &tokens, 2);
+    let l = next_token_loss(&model, &tokens, 2);
     let grads = l.backward();
     let mut checked = 0;
     for (layer, block) in model.blocks.iter().enumerate() {
@@ -116,7 +116,9 @@ fn lora_gradients_match_finite_differences() {
                     let mut v: Vec<f64> = p.val().into_data().convert::<f64>().into_vec().unwrap();
                     v[idx] += delta;
                     *p = Param::from_tensor(Tensor::from_data(TensorData::new(v, dims), &device));
-                    lm_loss(&shifted, &tokens, 2).into_scalar().elem::<f64>()
+                    next_token_loss(&shifted, &tokens, 2)
+                        .into_scalar()
+                        .elem::<f64>()
                 };
                 let h = 1e-2;
                 let d1 = (value_at(h) - value_at(-h)) / (2.0 * h);
@@ -155,7 +157,7 @@ fn only_adapters_train() {
     let tokens: Vec<i64> = (0..2 * 17).map(|i| (i * 37 + 11) % 800).collect();
     let mut optim = AdamWConfig::new().init::<Ad, Transformer<Ad>>();
     for _ in 0..3 {
-        let grads = lm_loss(&model, &tokens, 2).backward();
+        let grads = next_token_loss(&model, &tokens, 2).backward();
         let grads = GradientsParams::from_grads(grads, &model);
         // 2 tensors (A, B) per target per layer, nothing else.
         assert_eq!(grads.len(), 2 * 7 * n_layer);

@@ -7,7 +7,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{corpus_dir, fixtures, lm_loss, losses, scratch, small_config, smollm2};
+use common::{
+    corpus_dir, eval_losses, fixtures, losses, next_token_loss, scratch, small_config, smollm2,
+};
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -17,7 +19,6 @@ use toy_core::gguf::GgufFile;
 use toy_models::gpt2::Gpt2;
 use toy_models::{Gpt2Config, Model, QLinear};
 use toy_train::config::Arch;
-use toy_train::events::{Event, read_events};
 use toy_train::model::{DonorEmbedding, Trainee, init_trainee};
 use toy_train::optim::OptimRecord;
 use toy_train::{DataConfig, ModelShape, Recipe, RunDir, TrainConfig, TrainSetup};
@@ -97,7 +98,7 @@ fn gpt2_gradients_match_finite_differences() {
     let model: Gpt2<B> = Gpt2Config::new(2, 16, 4, 40, 19, 12).init(&device);
     let tokens: Vec<i64> = vec![1, 5, 9, 2, 17, 3, 3, 8, 0, 12, 4, 18, 6, 11];
     let batch = 2;
-    let grads = lm_loss(&model, &tokens, batch).backward();
+    let grads = next_token_loss(&model, &tokens, batch).backward();
     let inner = model.valid();
 
     let b0 = &model.blocks[0];
@@ -139,7 +140,11 @@ fn gpt2_gradients_match_finite_differences() {
         ("output_norm.bias", model.output_norm.bias.id, 12),
         ("output", dense_id(&model.output), 7 * 16 + 2),
     ];
-    let loss_at = |m: &Gpt2<NdArray<f64>>| lm_loss(m, &tokens, batch).into_scalar().elem::<f64>();
+    let loss_at = |m: &Gpt2<NdArray<f64>>| {
+        next_token_loss(m, &tokens, batch)
+            .into_scalar()
+            .elem::<f64>()
+    };
     let eps = 1e-2;
     for (name, id, idx) in cases {
         let mut visit = GradOf::<B> {
@@ -206,15 +211,7 @@ fn gpt2_trains_from_scratch_and_saves_a_gpt2_gguf() {
     let setup = TrainSetup::prepare(run.read_config().unwrap()).unwrap();
     let batches = setup.data.val_batches(4, 2);
     let loaded = toy_train::eval::evaluate_batches(&model, &batches).unwrap();
-    let logged = read_events(&run.events_path())
-        .unwrap()
-        .into_iter()
-        .filter_map(|r| match r.event {
-            Event::Eval { loss, .. } => Some(loss),
-            _ => None,
-        })
-        .last()
-        .unwrap();
+    let logged = *eval_losses(&run).last().unwrap();
     assert!(
         (loaded.mean_nll - logged).abs() < 1e-6,
         "loaded {} vs logged {logged}",

@@ -3,8 +3,6 @@
 
 //! Shared by the tests that run the real SmolLM2-135M-Instruct.
 
-use std::path::PathBuf;
-
 use burn::tensor::{Int, Tensor, TensorData};
 
 use toy_core::sampling::{Sampler, SamplingParams};
@@ -12,23 +10,9 @@ use toy_kernels::ToyBackend;
 use toy_models::CausalLm;
 use toy_models::generate::{GenerateOptions, generate};
 
-/// `SmolLM2-135M-Instruct.<kind>.gguf` in the model cache (`TOY_MODEL_CACHE`, default
-/// `~/.cache/toy-models`), as `scripts/fetch-smollm2.sh` leaves it. Fails loudly if it is missing:
-/// these tests are part of the suite, not optional.
-pub fn smollm2(kind: &str) -> PathBuf {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
-        });
-    let path = cache.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-smollm2.sh first",
-        path.display()
-    );
-    path
-}
+#[path = "../../../test-support/smollm2.rs"]
+mod smollm2_path;
+pub use smollm2_path::smollm2;
 
 /// A JSON fixture from `fixtures/smollm2/`.
 pub fn oracle(name: &str) -> serde_json::Value {

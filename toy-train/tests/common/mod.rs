@@ -9,11 +9,15 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn::backend::Flex;
-use burn::tensor::{Int, Tensor, TensorData, activation};
-use toy_kernels::ToyBackend;
-use toy_models::CausalLm;
 use toy_train::events::{Event, Record, read_events};
 use toy_train::{DataConfig, ModelShape, Preset, RunDir, RunInfo, TrainConfig, TrainSetup, train};
+
+#[path = "../../../test-support/next_token_loss.rs"]
+mod next_token_loss;
+#[path = "../../../test-support/smollm2.rs"]
+mod smollm2_path;
+pub use next_token_loss::next_token_loss;
+pub use smollm2_path::smollm2;
 
 /// `fixtures/` of the repository.
 pub fn fixtures() -> PathBuf {
@@ -23,23 +27,6 @@ pub fn fixtures() -> PathBuf {
 /// The bundled corpus and its tokenizer.
 pub fn corpus_dir() -> PathBuf {
     fixtures().join("corpus")
-}
-
-/// `SmolLM2-135M-Instruct.<kind>.gguf` in the model cache (`TOY_MODEL_CACHE`, default
-/// `~/.cache/toy-models`), as `scripts/fetch-smollm2.sh` leaves it.
-pub fn smollm2(kind: &str) -> PathBuf {
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/toy-models")
-        });
-    let path = cache.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-smollm2.sh first",
-        path.display()
-    );
-    path
 }
 
 /// A fresh directory, unique per test and process.
@@ -108,31 +95,29 @@ pub fn run(root: &Path, id: &str, config: TrainConfig, stop_at: Option<usize>) -
     run
 }
 
-/// The `step` events' losses, in order.
+/// The `step` events' training losses, in order.
 pub fn losses(run: &RunDir) -> Vec<f64> {
-    read_events(&run.events_path())
-        .unwrap()
-        .into_iter()
-        .filter_map(|r| match r.event {
+    events(run)
+        .filter_map(|e| match e {
             Event::Step { loss, .. } => Some(loss),
             _ => None,
         })
         .collect()
 }
 
-/// Mean next-token cross-entropy of `batch` equal rows of `tokens`, from an empty cache.
-pub fn lm_loss<B: ToyBackend>(
-    model: &impl CausalLm<B>,
-    tokens: &[i64],
-    batch: usize,
-) -> Tensor<B, 1> {
-    let device = model.device();
-    let t = tokens.len() / batch;
-    let all = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
-    let input = all.clone().narrow(1, 0, t - 1);
-    let target = all.narrow(1, 1, t - 1).reshape([batch * (t - 1), 1]);
-    let logits = model.forward(input, &mut model.new_cache());
-    let vocab = logits.dims()[2];
-    let logp = activation::log_softmax(logits.reshape([batch * (t - 1), vocab]), 1);
-    logp.gather(1, target).mean().neg()
+/// The `eval` events' held-out losses, in order.
+pub fn eval_losses(run: &RunDir) -> Vec<f64> {
+    events(run)
+        .filter_map(|e| match e {
+            Event::Eval { loss, .. } => Some(loss),
+            _ => None,
+        })
+        .collect()
+}
+
+fn events(run: &RunDir) -> impl Iterator<Item = Event> {
+    read_events(&run.events_path())
+        .unwrap()
+        .into_iter()
+        .map(|r| r.event)
 }
