@@ -8,6 +8,7 @@ use std::process::{Command, Output};
 
 #[path = "../../../test-support/smollm2.rs"]
 mod smollm2_path;
+#[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
 pub use smollm2_path::smollm2;
 
 /// Run the `toy` binary built for these tests.

@@ -12,6 +12,7 @@ use toy_models::generate::{GenerateOptions, generate};
 
 #[path = "../../../test-support/smollm2.rs"]
 mod smollm2_path;
+#[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
 pub use smollm2_path::smollm2;
 
 /// A JSON fixture from `fixtures/smollm2/`.

@@ -16,7 +16,9 @@ use toy_train::{DataConfig, ModelShape, Preset, RunDir, RunInfo, TrainConfig, Tr
 mod next_token_loss;
 #[path = "../../../test-support/smollm2.rs"]
 mod smollm2_path;
+#[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
 pub use next_token_loss::next_token_loss;
+#[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
 pub use smollm2_path::smollm2;
 
 /// `fixtures/` of the repository.
