@@ -25,6 +25,16 @@ thread_local! {
     static PASSES_ON_THIS_THREAD: Cell<usize> = const { Cell::new(0) };
 }
 
+/// Marks the end of a `run_pass` pass when dropped.
+struct PassEnd<'a>(&'a AtomicBool);
+
+impl Drop for PassEnd<'_> {
+    fn drop(&mut self) {
+        PASSES_ON_THIS_THREAD.set(PASSES_ON_THIS_THREAD.get() - 1);
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 impl ToyBackend for Flex {
     /// On a worker of rayon's pool, with the other workers kept awake for the length of the
     /// pass. A parallel op started from outside the pool hands its work to the workers and
@@ -52,10 +62,11 @@ impl ToyBackend for Flex {
                 });
             }
             PASSES_ON_THIS_THREAD.set(PASSES_ON_THIS_THREAD.get() + 1);
-            let out = f();
-            PASSES_ON_THIS_THREAD.set(PASSES_ON_THIS_THREAD.get() - 1);
-            done.store(true, Ordering::Release);
-            out
+            // Ends the pass on return and on unwind alike: if `f` panicked and the spinning
+            // jobs were never told, the scope would wait for them forever instead of
+            // propagating the panic.
+            let _end = PassEnd(&done);
+            f()
         })
     }
 
@@ -344,7 +355,7 @@ fn attend_head_portable(
 mod attn512 {
     use std::arch::x86_64::*;
 
-    use super::{HeadLoops, attend_head_impl, reduce_add16_tail};
+    use super::{HeadLoops, attend_head_impl, weighted_sum_tail_columns};
 
     pub(super) fn available() -> bool {
         is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")
@@ -461,7 +472,7 @@ mod attn512 {
                 _mm512_storeu_ps(out.as_mut_ptr().add(c0), sum);
             }
         }
-        reduce_add16_tail(v, p, lo, end, d, out);
+        weighted_sum_tail_columns(v, p, lo, end, d, out);
     }
 }
 
@@ -661,12 +672,19 @@ fn weighted_sum_rows(v: &[f32], p: &[f32], lo: usize, end: usize, d: usize, out:
         let t6: [Cols; 4] = std::array::from_fn(|i| add(&t3[4 + i], &t3[i]));
         out[c0..c0 + 16].copy_from_slice(&add(&add(&t6[0], &t6[2]), &add(&t6[1], &t6[3])));
     }
-    reduce_add16_tail(v, p, lo, end, d, out);
+    weighted_sum_tail_columns(v, p, lo, end, d, out);
 }
 
-/// `weighted_sum_rows` for the columns past the last multiple of 16, one at a time.
+/// `weighted_sum_rows` for the columns past the last multiple of 16, one column at a time.
 #[inline(always)]
-fn reduce_add16_tail(v: &[f32], p: &[f32], lo: usize, end: usize, d: usize, out: &mut [f32]) {
+fn weighted_sum_tail_columns(
+    v: &[f32],
+    p: &[f32],
+    lo: usize,
+    end: usize,
+    d: usize,
+    out: &mut [f32],
+) {
     for (c, o) in out.iter_mut().enumerate().skip(d / 16 * 16) {
         let mut acc = [0.0f32; 16];
         for j in lo..end {
@@ -1201,6 +1219,27 @@ mod run_pass_tests {
             });
             assert!(a == b && b == c && c == d);
         }
+    }
+
+    /// A pass that panics (after the other worker has taken its spinning job) propagates the
+    /// panic instead of leaving the scope waiting on a job that spins forever, and the pool
+    /// runs passes afterwards.
+    #[test]
+    fn a_panicking_pass_propagates_its_panic() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a pool");
+        let caught = pool.install(|| {
+            std::panic::catch_unwind(|| {
+                Flex::run_pass(|| {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    panic!("a bug in the forward pass")
+                })
+            })
+        });
+        assert!(caught.is_err());
+        assert_eq!(pool.install(|| Flex::run_pass(|| 7)), 7);
     }
 }
 
