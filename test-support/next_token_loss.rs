@@ -1,13 +1,13 @@
 //! The loss the gradient checks of toy-models and toy-train differentiate. One file, included by
 //! each test suite with `#[path = ".../test-support/next_token_loss.rs"] mod ...;`.
 
-use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorData};
 use toy_kernels::ToyBackend;
 use toy_models::CausalLm;
 
 /// Mean next-token cross-entropy of `batch` equal-length rows of `tokens` (targets are the tokens
-/// shifted by one), from an empty cache, through `ToyBackend::cross_entropy`: the loss and
-/// backward that training uses.
+/// shifted by one), from an empty cache, through `CausalLm::loss`: the loss and backward that
+/// training uses.
 pub fn next_token_loss<B: ToyBackend>(
     model: &impl CausalLm<B>,
     tokens: &[i64],
@@ -17,14 +17,6 @@ pub fn next_token_loss<B: ToyBackend>(
     let t = tokens.len() / batch;
     let all = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
     let input = all.clone().narrow(1, 0, t - 1);
-    let targets = all.narrow(1, 1, t - 1).reshape([batch * (t - 1)]);
-    let logits = model.forward(input, &mut model.new_cache());
-    let vocab = logits.dims()[2];
-    Tensor::from_primitive(TensorPrimitive::Float(B::cross_entropy(
-        logits
-            .reshape([batch * (t - 1), vocab])
-            .into_primitive()
-            .tensor(),
-        targets.into_primitive(),
-    )))
+    let targets = all.narrow(1, 1, t - 1);
+    model.loss(input, targets)
 }

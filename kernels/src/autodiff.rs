@@ -13,6 +13,9 @@
 //!   reference uses.
 //! - Cross-entropy: `dlogits = (softmax - onehot) · dloss / n`, from the saved logits and each
 //!   row's `logsumexp`.
+//! - The output head's cross-entropy (`linear_cross_entropy`): the inner backend's
+//!   `linear_cross_entropy_backward`, from the saved `h`, `w` and each row's `logsumexp`; on Flex
+//!   it recomputes the logits a slice of the vocabulary at a time instead of keeping them.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -20,7 +23,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
@@ -233,14 +236,29 @@ impl<B: ToyBackend> Backward<B, 1> for CrossEntropyBackward {
             return;
         };
         let (logits, targets, logsumexp) = ops.state;
-        let x = float::<B, 2>(logits);
-        let [n, _] = x.dims();
-        let targets = Tensor::<B, 1, Int>::from_primitive(targets).reshape([n, 1]);
-        let softmax = (x - float::<B, 2>(logsumexp)).exp();
-        let minus_one = Tensor::<B, 2>::full([n, 1], -1.0, (&softmax.device(), softmax.dtype()));
-        let dlogits = softmax.scatter(1, targets, minus_one, IndexingUpdateOp::Add);
-        let dloss = float::<B, 1>(grad).div_scalar(n as f32).reshape([1, 1]);
-        grads.register::<B>(node_logits.id, prim(dlogits * dloss));
+        let dlogits = reference::cross_entropy_backward::<B>(logits, targets, logsumexp, grad);
+        grads.register::<B>(node_logits.id, dlogits);
+    }
+}
+
+#[derive(Debug)]
+struct LinearCrossEntropyBackward;
+
+impl<B: ToyBackend> Backward<B, 2> for LinearCrossEntropyBackward {
+    /// `h`, `w`, the targets and each row's `logsumexp`.
+    type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_h, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (h, w, targets, logsumexp) = ops.state;
+        let (dh, dw) = B::linear_cross_entropy_backward(h, w, targets, logsumexp, grad);
+        if let Some(node) = node_h {
+            grads.register::<B>(node.id, dh);
+        }
+        if let Some(node) = node_w {
+            grads.register::<B>(node.id, dw);
+        }
     }
 }
 
@@ -328,6 +346,30 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
                 prep.finish((logits.primitive, targets, logsumexp), loss)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::cross_entropy(logits.primitive, targets)),
+        }
+    }
+
+    fn linear_cross_entropy(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        match LinearCrossEntropyBackward
+            .prepare::<C>([h.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (h, w) = (h.primitive, w.primitive);
+                let (loss, logsumexp) =
+                    B::linear_cross_entropy_forward(h.clone(), w.clone(), targets.clone());
+                prep.finish((h, w, targets, logsumexp), loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::linear_cross_entropy(
+                h.primitive,
+                w.primitive,
+                targets,
+            )),
         }
     }
 }

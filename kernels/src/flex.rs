@@ -194,6 +194,86 @@ impl ToyBackend for Flex {
             _ => reference::q4_1_matmul::<Self>(x, words, scales, mins),
         }
     }
+
+    fn linear_cross_entropy_forward(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let Some(head) = HeadOperands::new(&h, &w, &targets) else {
+            return reference::linear_cross_entropy::<Self>(h, w, targets);
+        };
+        let (loss, logsumexp) = head.with_slices(loss::forward);
+        let n = logsumexp.len();
+        (
+            FlexTensor::from_data(TensorData::new(vec![loss], [1])),
+            FlexTensor::from_data(TensorData::new(logsumexp, [n, 1])),
+        )
+    }
+
+    fn linear_cross_entropy_backward(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        logsumexp: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (lse, dl) = (logsumexp.to_contiguous(), dloss.to_contiguous());
+        let (Some(head), Some(lse), Some(&[dl])) = (
+            HeadOperands::new(&h, &w, &targets),
+            lse.as_slice::<f32>(),
+            dl.as_slice::<f32>(),
+        ) else {
+            return reference::linear_cross_entropy_backward::<Self>(
+                h, w, targets, logsumexp, dloss,
+            );
+        };
+        let (n, d, vocab) = (head.targets.len(), head.d, head.w.shape()[0]);
+        let scale = dl / n as f32;
+        let (dh, dw) = head.with_slices(|h, w, t, d| loss::backward(h, w, t, lse, scale, d));
+        (
+            FlexTensor::from_data(TensorData::new(dh, [n, d])),
+            FlexTensor::from_data(TensorData::new(dw, [vocab, d])),
+        )
+    }
+}
+
+/// The operands of the output head's loss, when the native loop can take them: f32 `h[n, d]`
+/// and `w[vocab, d]`, and targets inside the vocabulary (others go to the reference body).
+struct HeadOperands {
+    h: FlexTensor,
+    w: FlexTensor,
+    targets: Vec<usize>,
+    d: usize,
+}
+
+impl HeadOperands {
+    fn new(h: &FlexTensor, w: &FlexTensor, targets: &FlexTensor) -> Option<Self> {
+        let (hs, ws) = (h.shape(), w.shape());
+        let f32s = h.dtype() == DType::F32 && w.dtype() == DType::F32;
+        if !f32s || hs.num_dims() != 2 || ws.num_dims() != 2 || hs[1] != ws[1] || hs[1] == 0 {
+            return None;
+        }
+        let vocab = ws[0] as i64;
+        let targets: Vec<usize> = targets
+            .clone()
+            .into_data()
+            .iter::<i64>()
+            .map(|t| (0..vocab).contains(&t).then_some(t as usize))
+            .collect::<Option<_>>()?;
+        (targets.len() == hs[0]).then(|| HeadOperands {
+            h: h.to_contiguous(),
+            w: w.to_contiguous(),
+            targets,
+            d: hs[1],
+        })
+    }
+
+    fn with_slices<R>(&self, f: impl FnOnce(&[f32], &[f32], &[usize], usize) -> R) -> R {
+        let h = self.h.as_slice::<f32>().expect("contiguous f32");
+        let w = self.w.as_slice::<f32>().expect("contiguous f32");
+        f(h, w, &self.targets, self.d)
+    }
 }
 
 /// Defines `$name`, which runs `$imp` compiled with AVX2 and FMA when the CPU has them.
@@ -828,6 +908,7 @@ fn quantize_row_impl(x: &[f32]) -> QuantRow {
 // the same bits faster and are used when the CPU has AVX2 and FMA.
 
 #[cfg(target_arch = "x86_64")]
+mod loss;
 mod vnni;
 
 /// Which weight block format a dot product reads.

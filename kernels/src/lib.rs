@@ -129,6 +129,43 @@ pub trait ToyBackend: Backend {
     fn cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>) -> FloatTensor<Self> {
         reference::cross_entropy::<Self>(logits, targets).0
     }
+
+    /// [`cross_entropy`](Self::cross_entropy) of the logits of an output head:
+    /// `logits = h[n, d] · w[vocab, d]ᵀ`, shape `[1]`. A backend may compute it a slice of the
+    /// vocabulary at a time, never holding the `[n, vocab]` logits (at a 49,152-token vocabulary
+    /// those are 192 KiB per token, and every vocabulary-wide op over them costs as much as the
+    /// rest of a small model's step). Under `Autodiff` its backward is
+    /// [`linear_cross_entropy_backward`](Self::linear_cross_entropy_backward).
+    fn linear_cross_entropy(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::linear_cross_entropy_forward(h, w, targets).0
+    }
+
+    /// The loss of [`linear_cross_entropy`](Self::linear_cross_entropy) and each row's
+    /// `logsumexp` `[n, 1]`, which the backward needs.
+    fn linear_cross_entropy_forward(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::linear_cross_entropy::<Self>(h, w, targets)
+    }
+
+    /// The gradients `(dh[n, d], dw[vocab, d])` of
+    /// [`linear_cross_entropy`](Self::linear_cross_entropy) for the loss gradient `dloss[1]`:
+    /// `dh = G · w` and `dw = Gᵀ · h` with `G = (softmax(logits) - onehot) · dloss / n`.
+    fn linear_cross_entropy_backward(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        logsumexp: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::linear_cross_entropy_backward::<Self>(h, w, targets, logsumexp, dloss)
+    }
 }
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> ToyBackend for NdArray<E, I, Q>

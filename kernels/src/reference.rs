@@ -6,7 +6,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{
-    Bool, ElementConversion, FloatDType, Int, Shape, Tensor, TensorData, TensorMetadata,
+    Bool, ElementConversion, FloatDType, IndexingUpdateOp, Int, Shape, Tensor, TensorData, TensorMetadata,
     TensorPrimitive, activation,
 };
 
@@ -278,4 +278,56 @@ pub fn cross_entropy<B: Backend>(
         loss.into_primitive().tensor(),
         logsumexp.into_primitive().tensor(),
     )
+}
+
+/// The gradient of [`cross_entropy`] with respect to the logits, given each row's `logsumexp`
+/// and the loss's gradient `dloss[1]`: `(softmax - onehot(target)) · dloss / n`.
+pub fn cross_entropy_backward<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    logsumexp: FloatTensor<B>,
+    dloss: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let x = float::<B, 2>(logits);
+    let [n, _] = x.dims();
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets).reshape([n, 1]);
+    let softmax = (x - float::<B, 2>(logsumexp)).exp();
+    let minus_one = Tensor::<B, 2>::full([n, 1], -1.0, (&softmax.device(), softmax.dtype()));
+    let dlogits = softmax.scatter(1, targets, minus_one, IndexingUpdateOp::Add);
+    let dloss = float::<B, 1>(dloss).div_scalar(n as f32).reshape([1, 1]);
+    (dlogits * dloss).into_primitive().tensor()
+}
+
+/// [`cross_entropy`] of the logits `h[n, d] · w[vocab, d]ᵀ` (see
+/// [`ToyBackend::linear_cross_entropy`](crate::ToyBackend::linear_cross_entropy)): the loss and
+/// each row's `logsumexp`.
+pub fn linear_cross_entropy<B: Backend>(
+    h: FloatTensor<B>,
+    w: FloatTensor<B>,
+    targets: IntTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let logits = float::<B, 2>(h).matmul(float::<B, 2>(w).transpose());
+    cross_entropy::<B>(logits.into_primitive().tensor(), targets)
+}
+
+/// The gradients `(dh, dw)` of [`linear_cross_entropy`] given each row's `logsumexp` and the
+/// loss's gradient `dloss[1]`.
+pub fn linear_cross_entropy_backward<B: Backend>(
+    h: FloatTensor<B>,
+    w: FloatTensor<B>,
+    targets: IntTensor<B>,
+    logsumexp: FloatTensor<B>,
+    dloss: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (h, w) = (float::<B, 2>(h), float::<B, 2>(w));
+    let logits = h.clone().matmul(w.clone().transpose());
+    let dlogits = float::<B, 2>(cross_entropy_backward::<B>(
+        logits.into_primitive().tensor(),
+        targets,
+        logsumexp,
+        dloss,
+    ));
+    let dh = dlogits.clone().matmul(w);
+    let dw = dlogits.transpose().matmul(h);
+    (dh.into_primitive().tensor(), dw.into_primitive().tensor())
 }

@@ -569,6 +569,39 @@ fn check_grads<B: ToyBackend>() {
         .neg();
     let want = host(xr.grad(&loss.mul_scalar(3.0).backward()).unwrap());
     close("cross_entropy dlogits", &got, &want, 1e-6);
+
+    // The output head's loss against burn's autodiff of the matmul and `log_softmax`, with an
+    // upstream gradient of 3: a vocabulary of several of Flex's slices, n = 9 tokens.
+    let (n, dm, vocab) = (9, 24, 700);
+    let h: Vec<f32> = randn(n * dm, 13);
+    let w: Vec<f32> = randn(vocab * dm, 14);
+    let targets: Vec<i64> = (0..n).map(|i| ((i * 263 + 5) % vocab) as i64).collect();
+    let ht = float::<Autodiff<B>, 2>(h.clone(), [n, dm], &d).require_grad();
+    let wt = float::<Autodiff<B>, 2>(w.clone(), [vocab, dm], &d).require_grad();
+    let ids = Tensor::<Autodiff<B>, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), &d);
+    let loss = Tensor::<Autodiff<B>, 1>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::linear_cross_entropy(
+            ht.clone().into_primitive().tensor(),
+            wt.clone().into_primitive().tensor(),
+            ids.into_primitive(),
+        ),
+    ));
+    let got_loss = host(loss.clone());
+    let g = loss.mul_scalar(3.0).backward();
+    let (got_dh, got_dw) = (host(ht.grad(&g).unwrap()), host(wt.grad(&g).unwrap()));
+    let hr = float::<Ref, 2>(h, [n, dm], &dr).require_grad();
+    let wr = float::<Ref, 2>(w, [vocab, dm], &dr).require_grad();
+    let tr = Tensor::<Ref, 1, Int>::from_data(TensorData::new(targets, [n]), &dr);
+    let logits = hr.clone().matmul(wr.clone().transpose());
+    let loss = burn::tensor::activation::log_softmax(logits, 1)
+        .gather(1, tr.reshape([n, 1]))
+        .mean()
+        .neg();
+    let want_loss = host(loss.clone());
+    close("linear_cross_entropy loss", &got_loss, &want_loss, 1e-5);
+    let g = loss.mul_scalar(3.0).backward();
+    close("linear_cross_entropy dh", &got_dh, &host(hr.grad(&g).unwrap()), 1e-5);
+    close("linear_cross_entropy dw", &got_dw, &host(wr.grad(&g).unwrap()), 1e-5);
 }
 
 #[test]

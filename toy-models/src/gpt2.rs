@@ -196,6 +196,13 @@ impl<B: ToyBackend> Gpt2<B> {
         self.output.forward(self.forward_hidden(tokens, cache))
     }
 
+    /// Mean next-token cross-entropy of `tokens[b, t]` (from an empty cache) against
+    /// `targets[b, t]` ([`QLinear::cross_entropy`]).
+    pub fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let h = self.forward_hidden(tokens, &mut self.new_cache());
+        self.output.cross_entropy(h, targets)
+    }
+
     /// Logits `[batch, vocab]` of the last new position.
     pub fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
         let h = self.forward_hidden(tokens, cache);

@@ -477,6 +477,17 @@ impl<B: ToyBackend> Transformer<B> {
         self.logits(h.narrow(1, t - 1, 1).reshape([b, d]))
     }
 
+    /// Mean next-token cross-entropy of `tokens[b, t]` (from an empty cache) against
+    /// `targets[b, t]`: what training minimizes. Without a final soft-cap the head's loss need
+    /// not hold the logits ([`QLinear::cross_entropy`]).
+    pub fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let h = self.forward_hidden(tokens, &mut self.new_cache());
+        match self.final_softcap {
+            Some(_) => crate::qlinear::cross_entropy(self.logits(h), targets),
+            None => B::run_pass(|| self.output.cross_entropy(h, targets)),
+        }
+    }
+
     /// The output head (and gemma2's final soft-cap) on final hidden states.
     pub fn logits<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
         let logits = B::run_pass(|| self.output.forward(h));

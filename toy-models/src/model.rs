@@ -19,6 +19,10 @@ pub trait CausalLm<B: ToyBackend> {
     /// Logits `[batch, vocab]` of the last new position only.
     fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2>;
     fn new_cache(&self) -> KvCache<B>;
+    /// Mean next-token cross-entropy of `tokens[b, t]` (from an empty cache) against
+    /// `targets[b, t]`: what training minimizes, without the `[b·t, vocab]` logits where the
+    /// backend can ([`crate::QLinear::cross_entropy`]).
+    fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
     /// Longest context (prompt + generated tokens) the model supports.
     fn context_length(&self) -> usize;
     fn device(&self) -> B::Device;
@@ -33,6 +37,9 @@ impl<B: ToyBackend> CausalLm<B> for Transformer<B> {
     }
     fn new_cache(&self) -> KvCache<B> {
         Transformer::new_cache(self)
+    }
+    fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        Transformer::loss(self, tokens, targets)
     }
     fn context_length(&self) -> usize {
         self.context_length
@@ -51,6 +58,9 @@ impl<B: ToyBackend> CausalLm<B> for Gpt2<B> {
     }
     fn new_cache(&self) -> KvCache<B> {
         Gpt2::new_cache(self)
+    }
+    fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        Gpt2::loss(self, tokens, targets)
     }
     fn context_length(&self) -> usize {
         self.context_length
@@ -84,6 +94,12 @@ impl<B: ToyBackend> CausalLm<B> for Model<B> {
         match self {
             Model::Llama(m) => m.new_cache(),
             Model::Gpt2(m) => m.new_cache(),
+        }
+    }
+    fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        match self {
+            Model::Llama(m) => m.loss(tokens, targets),
+            Model::Gpt2(m) => m.loss(tokens, targets),
         }
     }
     fn context_length(&self) -> usize {

@@ -125,6 +125,36 @@ impl<B: ToyBackend> QLinear<B> {
         out[D - 1] = y.dims()[1];
         y.reshape(out)
     }
+
+    /// Mean cross-entropy of this layer as an output head: of the logits of `h[b, t, d]`
+    /// against `targets[b, t]`. A dense weight goes through
+    /// [`ToyBackend::linear_cross_entropy`], which need not hold the `[b·t, vocab]` logits; a
+    /// quantized one computes them with its matmul.
+    pub fn cross_entropy(&self, h: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        match self {
+            QLinear::Dense(w) => {
+                let [b, t, d] = h.dims();
+                Tensor::from_primitive(TensorPrimitive::Float(B::linear_cross_entropy(
+                    h.reshape([b * t, d]).into_primitive().tensor(),
+                    w.val().into_primitive().tensor(),
+                    targets.reshape([b * t]).into_primitive(),
+                )))
+            }
+            _ => cross_entropy(self.forward(h), targets),
+        }
+    }
+}
+
+/// Mean next-token cross-entropy (natural log) of `logits[b, t, vocab]` against `targets[b, t]`.
+pub fn cross_entropy<B: ToyBackend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 1> {
+    let [b, t, vocab] = logits.dims();
+    Tensor::from_primitive(TensorPrimitive::Float(B::cross_entropy(
+        logits.reshape([b * t, vocab]).into_primitive().tensor(),
+        targets.reshape([b * t]).into_primitive(),
+    )))
 }
 
 #[cfg(test)]

@@ -112,6 +112,19 @@ impl<B: ToyBackend> Trainee<B> {
         }
     }
 
+    /// Mean next-token cross-entropy of `tokens` against `targets` ([`Model::loss`]).
+    pub fn loss(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        donor: Option<&Tensor<B, 2>>,
+    ) -> Tensor<B, 1> {
+        match (&self.embd_proj, donor) {
+            (Some(_), Some(donor)) => self.folded(donor).loss(tokens, targets),
+            _ => self.model.loss(tokens, targets),
+        }
+    }
+
     /// The plain model: with a projection, its token embedding replaced by `donor · P` (the
     /// model `model.gguf` holds).
     pub fn folded(&self, donor: &Tensor<B, 2>) -> Model<B> {

@@ -1,4 +1,4 @@
-//! AdamW with weight decay on matrices only, global gradient-norm clipping, and the loss.
+//! AdamW with weight decay on matrices only, and global gradient-norm clipping.
 //!
 //! burn 0.21's `AdamW` applies one weight decay to every parameter it steps, and has no
 //! parameter groups. But its optimizer adaptor only steps the parameters that have a gradient in
@@ -14,23 +14,11 @@ use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Int, Tensor, TensorPrimitive};
+use burn::tensor::{ElementConversion, Tensor};
 use toy_kernels::ToyBackend;
 use toy_models::Transformer;
 
 use crate::config::OptimConfig;
-
-/// Mean next-token cross-entropy (natural log) of `logits[b, t, vocab]` against `targets[b, t]`.
-pub fn cross_entropy<B: ToyBackend>(
-    logits: Tensor<B, 3>,
-    targets: Tensor<B, 2, Int>,
-) -> Tensor<B, 1> {
-    let [b, t, vocab] = logits.dims();
-    Tensor::from_primitive(TensorPrimitive::Float(B::cross_entropy(
-        logits.reshape([b * t, vocab]).into_primitive().tensor(),
-        targets.reshape([b * t]).into_primitive(),
-    )))
-}
 
 /// Apply `f` to every gradient of `grads` that belongs to a parameter of `model`.
 fn for_each_grad<B: AutodiffBackend, M: AutodiffModule<B>>(

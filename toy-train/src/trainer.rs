@@ -37,7 +37,7 @@ use crate::eval::{EvalResult, evaluate_batches};
 use crate::events::{Event, EventLog, Record};
 use crate::finetune::{Base, start_model};
 use crate::model::{DonorEmbedding, ModelSpec, Trainee, init_trainee};
-use crate::optim::{OptimRecord, TrainOptimizer, cross_entropy, grad_norm, scale_grads};
+use crate::optim::{OptimRecord, TrainOptimizer, grad_norm, scale_grads};
 use crate::schedule::learning_rate;
 
 /// Everything a run needs besides the backend: the config, the tokenizer and its metadata, the
@@ -465,8 +465,7 @@ pub fn accumulate_grads<B: ToyBackend>(
             _ => model,
         };
         let (inputs, targets) = batch.tensors::<Ad<B>>(device);
-        let logits = model.forward(inputs, donor);
-        let loss = cross_entropy(logits, targets);
+        let loss = model.loss(inputs, targets, donor);
         loss_sum += loss.clone().into_scalar().elem::<f64>();
         // Each micro-batch's share of the mean: the summed gradients are the mean's gradient.
         let grads = loss.div_scalar(batches.len() as f64).backward();
