@@ -18,7 +18,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::quant::BLOCK;
-use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
+use crate::{AdamWStep, AttentionOptions, RopeLayout, ToyBackend, reference};
 
 thread_local! {
     /// Forward passes running on this thread (see `run_pass`).
@@ -236,6 +236,72 @@ impl ToyBackend for Flex {
             FlexTensor::from_data(TensorData::new(dw, [vocab, d])),
         )
     }
+
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+        step: AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let n = param.shape().num_elements();
+        let same = |t: &FlexTensor| t.dtype() == DType::F32 && t.shape().num_elements() == n;
+        let native = param.dtype() == DType::F32
+            && same(&grad)
+            && moments.as_ref().is_none_or(|(m, v)| same(m) && same(v));
+        if !native {
+            return reference::adamw_step::<Self>(param, grad, moments, step);
+        }
+        let shape = param.shape();
+        let first = moments.is_none();
+        let (m, v) = moments.unwrap_or_else(|| {
+            let zeros = || FlexTensor::zeros(shape.clone(), DType::F32);
+            (zeros(), zeros())
+        });
+        let grad = grad.to_contiguous();
+        let (Some(mut p), Some(mut m), Some(mut v), Some(g)) = (
+            owned_f32(param),
+            owned_f32(m),
+            owned_f32(v),
+            grad.as_slice::<f32>(),
+        ) else {
+            unreachable!("f32 tensors checked above");
+        };
+        optim::adamw(
+            p.storage_mut(),
+            g,
+            m.storage_mut(),
+            v.storage_mut(),
+            first,
+            &step,
+        );
+        let shaped = |t: FlexTensor| t.reshape(shape.clone());
+        (shaped(p), shaped(m), shaped(v))
+    }
+
+    fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let x = x.to_contiguous();
+        match x.as_slice::<f32>() {
+            Some(xs) => {
+                FlexTensor::from_data(TensorData::new(vec![optim::sum_squares(xs)], [1]))
+            }
+            None => reference::sum_squares::<Self>(x),
+        }
+    }
+}
+
+/// `t` as a contiguous f32 tensor this code may write: itself when it is contiguous and
+/// nothing else holds its buffer (no copy), else a copy. `None` for other element types.
+fn owned_f32(t: FlexTensor) -> Option<FlexTensor> {
+    if t.dtype() != DType::F32 {
+        return None;
+    }
+    // `to_contiguous` of a contiguous tensor shares the buffer; dropping `t` (shadowing would
+    // not) leaves it unique again.
+    let contiguous = t.to_contiguous();
+    drop(t);
+    let mut t = contiguous;
+    t.storage_mut::<f32>(); // copies the buffer only if something else still holds it
+    Some(t)
 }
 
 /// The operands of the output head's loss, when the native loop can take them: f32 `h[n, d]`
@@ -909,6 +975,7 @@ fn quantize_row_impl(x: &[f32]) -> QuantRow {
 
 #[cfg(target_arch = "x86_64")]
 mod loss;
+mod optim;
 mod vnni;
 
 /// Which weight block format a dot product reads.

@@ -48,6 +48,18 @@ pub struct AttentionOptions {
     pub softcap: Option<f32>,
 }
 
+/// One AdamW step's settings: burn's `AdamW` with its learning rate and the step number.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta_1: f32,
+    pub beta_2: f32,
+    pub epsilon: f32,
+    pub weight_decay: f32,
+    /// The step number, from 1 (what the bias corrections raise the betas to).
+    pub time: usize,
+}
+
 /// A burn backend with toy's hot ops. Default bodies are the reference implementation.
 ///
 /// Quantized weights are passed in the packed layout of [`quant`]: `words` holds the GGUF block
@@ -165,6 +177,24 @@ pub trait ToyBackend: Backend {
         dloss: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         reference::linear_cross_entropy_backward::<Self>(h, w, targets, logsumexp, dloss)
+    }
+
+    /// One AdamW update of a parameter with burn's `AdamW` arithmetic: returns the new
+    /// `(param, moment_1, moment_2)`; `moments` is `None` at the first step. burn composes it of
+    /// about fifteen elementwise tensor ops, each allocating a parameter-sized output; a backend
+    /// may do it in one pass, in place.
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+        step: AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        reference::adamw_step::<Self>(param, grad, moments, step)
+    }
+
+    /// `Σ x²` over all elements, shape `[1]` (what the global gradient norm adds up).
+    fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::sum_squares::<Self>(x)
     }
 }
 

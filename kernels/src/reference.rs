@@ -11,7 +11,7 @@ use burn::tensor::{
 };
 
 use crate::quant::BLOCK;
-use crate::{AttentionOptions, RopeLayout};
+use crate::{AdamWStep, AttentionOptions, RopeLayout};
 
 fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
@@ -330,4 +330,53 @@ pub fn linear_cross_entropy_backward<B: Backend>(
     let dh = dlogits.clone().matmul(w);
     let dw = dlogits.transpose().matmul(h);
     (dh.into_primitive().tensor(), dw.into_primitive().tensor())
+}
+
+/// One AdamW update (see [`ToyBackend::adamw_step`](crate::ToyBackend::adamw_step)): burn 0.21's
+/// `AdamW::step` without AMSGrad or cautious decay, op for op, so that every backend that runs
+/// this body steps exactly as burn's optimizer would.
+pub fn adamw_step<B: Backend>(
+    param: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    s: AdamWStep,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let shape = param.shape();
+    let (p, g) = (flat::<B>(param), flat::<B>(grad));
+    let (factor_1, factor_2) = (1.0 - s.beta_1, 1.0 - s.beta_2);
+    let (m, v) = match moments {
+        Some((m, v)) => (
+            flat::<B>(m)
+                .mul_scalar(s.beta_1)
+                .add(g.clone().mul_scalar(factor_1)),
+            flat::<B>(v)
+                .mul_scalar(s.beta_2)
+                .add(g.square().mul_scalar(factor_2)),
+        ),
+        None => (g.clone().mul_scalar(factor_1), g.square().mul_scalar(factor_2)),
+    };
+    let time = s.time as i32;
+    let m_hat = m.clone().div_scalar(1f32 - s.beta_1.powi(time));
+    let v_hat = v.clone().div_scalar(1f32 - s.beta_2.powi(time));
+    let delta = m_hat.div(v_hat.sqrt().add_scalar(s.epsilon));
+    let decay_rate = s.lr * s.weight_decay as f64;
+    let p = if decay_rate == 0.0 {
+        p
+    } else {
+        p.mul_scalar(1.0 - decay_rate)
+    };
+    let p = p - delta.mul_scalar(s.lr);
+    let shaped = |t: Tensor<B, 1>| B::float_reshape(t.into_primitive().tensor(), shape.clone());
+    (shaped(p), shaped(m), shaped(v))
+}
+
+/// `t` of any rank as a vector.
+fn flat<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+    let n = t.shape().num_elements();
+    float(B::float_reshape(t, Shape::new([n])))
+}
+
+/// `Σ x²`, shape `[1]`.
+pub fn sum_squares<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    flat::<B>(x).square().sum().into_primitive().tensor()
 }

@@ -426,3 +426,4 @@ mod tests {
         assert!(exp_nonpositive(f32::NAN).is_nan());
     }
 }
+
