@@ -252,11 +252,13 @@ impl<B: ToyBackend> Backward<B, 2> for LinearCrossEntropyBackward {
         let [node_h, node_w] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (h, w, targets, logsumexp) = ops.state;
-        let (dh, dw) = B::linear_cross_entropy_backward(h, w, targets, logsumexp, grad);
+        let weight_grad = node_w.is_some();
+        let (dh, dw) =
+            B::linear_cross_entropy_backward(h, w, targets, logsumexp, grad, weight_grad);
         if let Some(node) = node_h {
             grads.register::<B>(node.id, dh);
         }
-        if let Some(node) = node_w {
+        if let (Some(node), Some(dw)) = (node_w, dw) {
             grads.register::<B>(node.id, dw);
         }
     }

@@ -217,7 +217,8 @@ impl ToyBackend for Flex {
         targets: IntTensor<Self>,
         logsumexp: FloatTensor<Self>,
         dloss: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let (lse, dl) = (logsumexp.to_contiguous(), dloss.to_contiguous());
         let (Some(head), Some(lse), Some(&[dl])) = (
             HeadOperands::new(&h, &w, &targets),
@@ -225,15 +226,22 @@ impl ToyBackend for Flex {
             dl.as_slice::<f32>(),
         ) else {
             return reference::linear_cross_entropy_backward::<Self>(
-                h, w, targets, logsumexp, dloss,
+                h,
+                w,
+                targets,
+                logsumexp,
+                dloss,
+                weight_grad,
             );
         };
         let (n, d, vocab) = (head.targets.len(), head.d, head.w.shape()[0]);
         let scale = dl / n as f32;
-        let (dh, dw) = head.with_slices(|h, w, t, d| loss::backward(h, w, t, lse, scale, d));
+        let (dh, dw) = head.with_slices(|h, w, t, d| {
+            loss::backward(h, w, t, lse, scale, d, weight_grad)
+        });
         (
             FlexTensor::from_data(TensorData::new(dh, [n, d])),
-            FlexTensor::from_data(TensorData::new(dw, [vocab, d])),
+            dw.map(|dw| FlexTensor::from_data(TensorData::new(dw, [vocab, d]))),
         )
     }
 

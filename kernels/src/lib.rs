@@ -168,15 +168,24 @@ pub trait ToyBackend: Backend {
 
     /// The gradients `(dh[n, d], dw[vocab, d])` of
     /// [`linear_cross_entropy`](Self::linear_cross_entropy) for the loss gradient `dloss[1]`:
-    /// `dh = G · w` and `dw = Gᵀ · h` with `G = (softmax(logits) - onehot) · dloss / n`.
+    /// `dh = G · w` and `dw = Gᵀ · h` with `G = (softmax(logits) - onehot) · dloss / n`. `dw`
+    /// only when `weight_grad` (a frozen head, as in LoRA, needs none: a quarter of the work).
     fn linear_cross_entropy_backward(
         h: FloatTensor<Self>,
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
         logsumexp: FloatTensor<Self>,
         dloss: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        reference::linear_cross_entropy_backward::<Self>(h, w, targets, logsumexp, dloss)
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        reference::linear_cross_entropy_backward::<Self>(
+            h,
+            w,
+            targets,
+            logsumexp,
+            dloss,
+            weight_grad,
+        )
     }
 
     /// One AdamW update of a parameter with burn's `AdamW` arithmetic: returns the new

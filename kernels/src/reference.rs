@@ -311,14 +311,15 @@ pub fn linear_cross_entropy<B: Backend>(
 }
 
 /// The gradients `(dh, dw)` of [`linear_cross_entropy`] given each row's `logsumexp` and the
-/// loss's gradient `dloss[1]`.
+/// loss's gradient `dloss[1]` (`dw` only when `weight_grad`).
 pub fn linear_cross_entropy_backward<B: Backend>(
     h: FloatTensor<B>,
     w: FloatTensor<B>,
     targets: IntTensor<B>,
     logsumexp: FloatTensor<B>,
     dloss: FloatTensor<B>,
-) -> (FloatTensor<B>, FloatTensor<B>) {
+    weight_grad: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let (h, w) = (float::<B, 2>(h), float::<B, 2>(w));
     let logits = h.clone().matmul(w.clone().transpose());
     let dlogits = float::<B, 2>(cross_entropy_backward::<B>(
@@ -328,8 +329,8 @@ pub fn linear_cross_entropy_backward<B: Backend>(
         dloss,
     ));
     let dh = dlogits.clone().matmul(w);
-    let dw = dlogits.transpose().matmul(h);
-    (dh.into_primitive().tensor(), dw.into_primitive().tensor())
+    let dw = weight_grad.then(|| dlogits.transpose().matmul(h).into_primitive().tensor());
+    (dh.into_primitive().tensor(), dw)
 }
 
 /// One AdamW update (see [`ToyBackend::adamw_step`](crate::ToyBackend::adamw_step)): burn 0.21's

@@ -589,6 +589,19 @@ fn check_grads<B: ToyBackend>() {
     let got_loss = host(loss.clone());
     let g = loss.mul_scalar(3.0).backward();
     let (got_dh, got_dw) = (host(ht.grad(&g).unwrap()), host(wt.grad(&g).unwrap()));
+    // A frozen head (LoRA): the same dh, and no gradient for w.
+    let frozen = float::<Autodiff<B>, 2>(w.clone(), [vocab, dm], &d);
+    let ids = Tensor::<Autodiff<B>, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), &d);
+    let loss = Tensor::<Autodiff<B>, 1>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::linear_cross_entropy(
+            ht.clone().into_primitive().tensor(),
+            frozen.clone().into_primitive().tensor(),
+            ids.into_primitive(),
+        ),
+    ));
+    let g = loss.mul_scalar(3.0).backward();
+    assert_eq!(host(ht.grad(&g).unwrap()), got_dh, "dh with a frozen head");
+    assert!(frozen.grad(&g).is_none());
     let hr = float::<Ref, 2>(h, [n, dm], &dr).require_grad();
     let wr = float::<Ref, 2>(w, [vocab, dm], &dr).require_grad();
     let tr = Tensor::<Ref, 1, Int>::from_data(TensorData::new(targets, [n]), &dr);

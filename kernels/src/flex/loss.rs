@@ -115,7 +115,7 @@ pub(super) fn forward(h: &[f32], w: &[f32], targets: &[usize], d: usize) -> (f32
                 plan.logits(h, w, (v0, rows), &mut logits);
                 for (i, x) in logits[..n * rows].chunks_exact(rows).enumerate() {
                     let m = slice_max(x);
-                    if !(m <= max[i]) {
+                    if m > max[i] || m.is_nan() {
                         // A new max (or a NaN, which then stays): rescale the sum so far.
                         sum[i] *= (max[i] - m).exp();
                         max[i] = m;
@@ -150,7 +150,7 @@ pub(super) fn forward(h: &[f32], w: &[f32], targets: &[usize], d: usize) -> (f32
 }
 
 /// The gradients `(dh[n, d], dw[vocab, d])` for `scale = dloss / n`, from the forward's
-/// `logsumexp`.
+/// `logsumexp`; `dw` only when `weight_grad`.
 pub(super) fn backward(
     h: &[f32],
     w: &[f32],
@@ -158,16 +158,18 @@ pub(super) fn backward(
     logsumexp: &[f32],
     scale: f32,
     d: usize,
-) -> (Vec<f32>, Vec<f32>) {
+    weight_grad: bool,
+) -> (Vec<f32>, Option<Vec<f32>>) {
     let n = targets.len();
     let plan = Plan::new(n, d, w.len() / d);
-    let mut dw = vec![0.0f32; w.len()];
+    // Without a weight gradient the runs still write into a (zero-length) piece each.
+    let mut dw = vec![0.0f32; if weight_grad { w.len() } else { 0 }];
     // Each run's rows of `dw`, cut off in run order.
     let mut pieces = Vec::with_capacity(plan.runs);
     let mut rest = dw.as_mut_slice();
     for r in 0..plan.runs {
         let rows = plan.run_rows(r);
-        let (piece, tail) = rest.split_at_mut(rows.len() * d);
+        let (piece, tail) = rest.split_at_mut(if weight_grad { rows.len() * d } else { 0 });
         pieces.push((rows, piece));
         rest = tail;
     }
@@ -186,32 +188,37 @@ pub(super) fn backward(
                         x[targets[i] - v0] -= 1.0;
                     }
                 }
-                let dw_slice = &mut dw_run[(v0 - run_v0) * d..(v0 - run_v0 + width) * d];
-                // SAFETY: `dw_slice[width, d] = scale · Gᵀ · h` with `G[n, width]` read
-                // transposed and `h[n, d]`; `dh[n, d] += scale · G · w[v0..v0 + width, d]`. All
-                // strides stay inside the slices' lengths.
+                if weight_grad {
+                    let dw_slice = &mut dw_run[(v0 - run_v0) * d..(v0 - run_v0 + width) * d];
+                    // SAFETY: `dw_slice[width, d] = scale · Gᵀ · h` with `G[n, width]` read
+                    // transposed and `h[n, d]`, all inside the slices' lengths.
+                    unsafe {
+                        gemm(
+                            width,
+                            d,
+                            n,
+                            dw_slice.as_mut_ptr(),
+                            1,
+                            d as isize,
+                            false,
+                            g.as_ptr(),
+                            width as isize,
+                            1,
+                            h.as_ptr(),
+                            1,
+                            d as isize,
+                            0.0,
+                            scale,
+                            false,
+                            false,
+                            false,
+                            Parallelism::None,
+                        );
+                    }
+                }
+                // SAFETY: `dh[n, d] += scale · G · w[v0..v0 + width, d]`, all inside the
+                // slices' lengths.
                 unsafe {
-                    gemm(
-                        width,
-                        d,
-                        n,
-                        dw_slice.as_mut_ptr(),
-                        1,
-                        d as isize,
-                        false,
-                        g.as_ptr(),
-                        width as isize,
-                        1,
-                        h.as_ptr(),
-                        1,
-                        d as isize,
-                        0.0,
-                        scale,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    );
                     gemm(
                         n,
                         d,
@@ -244,7 +251,7 @@ pub(super) fn backward(
             *a += b;
         }
     }
-    (dh, dw)
+    (dh, weight_grad.then_some(dw))
 }
 
 with_fma!(fn slice_max = slice_max_impl(x: &[f32]) -> f32);
@@ -397,9 +404,13 @@ mod tests {
             let (want_loss, want_lse, want_dh, want_dw) = spec(&h, &w, &targets, d);
             close("loss", &[loss], &[want_loss], 1e-5);
             close("lse", &lse, &want_lse, 1e-5);
-            let (dh, dw) = backward(&h, &w, &targets, &lse, 1.0 / n as f32, d);
+            let (dh, dw) = backward(&h, &w, &targets, &lse, 1.0 / n as f32, d, true);
             close("dh", &dh, &want_dh, 1e-4);
-            close("dw", &dw, &want_dw, 1e-4);
+            close("dw", &dw.unwrap(), &want_dw, 1e-4);
+            // A frozen head: the same dh, no dw.
+            let (frozen_dh, none) = backward(&h, &w, &targets, &lse, 1.0 / n as f32, d, false);
+            assert_eq!(frozen_dh, dh);
+            assert!(none.is_none());
         }
     }
 

@@ -62,7 +62,7 @@ impl Constants {
             correction_1: 1f32 - s.beta_1.powi(time),
             correction_2: 1f32 - s.beta_2.powi(time),
             epsilon: s.epsilon,
-            keep: (decay_rate != 0.0).then(|| (1.0 - decay_rate) as f32),
+            keep: (decay_rate != 0.0).then_some((1.0 - decay_rate) as f32),
             lr: s.lr as f32,
         }
     }
