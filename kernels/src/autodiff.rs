@@ -367,11 +367,9 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
                     B::linear_cross_entropy_forward(h.clone(), w.clone(), targets.clone());
                 prep.finish((h, w, targets, logsumexp), loss)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::linear_cross_entropy(
-                h.primitive,
-                w.primitive,
-                targets,
-            )),
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::linear_cross_entropy(h.primitive, w.primitive, targets))
+            }
         }
     }
 }

@@ -236,9 +236,8 @@ impl ToyBackend for Flex {
         };
         let (n, d, vocab) = (head.targets.len(), head.d, head.w.shape()[0]);
         let scale = dl / n as f32;
-        let (dh, dw) = head.with_slices(|h, w, t, d| {
-            loss::backward(h, w, t, lse, scale, d, weight_grad)
-        });
+        let (dh, dw) =
+            head.with_slices(|h, w, t, d| loss::backward(h, w, t, lse, scale, d, weight_grad));
         (
             FlexTensor::from_data(TensorData::new(dh, [n, d])),
             dw.map(|dw| FlexTensor::from_data(TensorData::new(dw, [vocab, d]))),
@@ -266,14 +265,8 @@ impl ToyBackend for Flex {
             (zeros(), zeros())
         });
         let grad = grad.to_contiguous();
-        let (Some(mut p), Some(mut m), Some(mut v), Some(g)) = (
-            owned_f32(param),
-            owned_f32(m),
-            owned_f32(v),
-            grad.as_slice::<f32>(),
-        ) else {
-            unreachable!("f32 tensors checked above");
-        };
+        let g = grad.as_slice::<f32>().expect("a contiguous f32 tensor");
+        let (mut p, mut m, mut v) = (owned(param), owned(m), owned(v));
         optim::adamw(
             p.storage_mut(),
             g,
@@ -289,27 +282,22 @@ impl ToyBackend for Flex {
     fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
         let x = x.to_contiguous();
         match x.as_slice::<f32>() {
-            Some(xs) => {
-                FlexTensor::from_data(TensorData::new(vec![optim::sum_squares(xs)], [1]))
-            }
+            Some(xs) => FlexTensor::from_data(TensorData::new(vec![optim::sum_squares(xs)], [1])),
             None => reference::sum_squares::<Self>(x),
         }
     }
 }
 
-/// `t` as a contiguous f32 tensor this code may write: itself when it is contiguous and
-/// nothing else holds its buffer (no copy), else a copy. `None` for other element types.
-fn owned_f32(t: FlexTensor) -> Option<FlexTensor> {
-    if t.dtype() != DType::F32 {
-        return None;
-    }
+/// `t` contiguous, in a buffer this code may write: itself when it is contiguous and nothing
+/// else holds its buffer (no copy), else a copy.
+fn owned(t: FlexTensor) -> FlexTensor {
     // `to_contiguous` of a contiguous tensor shares the buffer; dropping `t` (shadowing would
     // not) leaves it unique again.
     let contiguous = t.to_contiguous();
     drop(t);
     let mut t = contiguous;
     t.storage_mut::<f32>(); // copies the buffer only if something else still holds it
-    Some(t)
+    t
 }
 
 /// The operands of the output head's loss, when the native loop can take them: f32 `h[n, d]`
@@ -894,22 +882,34 @@ fn rope_head_impl(
 /// uses it (SiLU, softmax) so that our activations round exactly like its.
 #[inline(always)]
 fn ggml_expf(x: f32) -> f32 {
-    let c = f32::from_bits;
-    let r = c(0x4b40_0000); // 0x1.8p23: adding it rounds to an integer
-    let z = x.mul_add(c(0x3fb8_aa3b), r); // x / ln 2 + r
-    let n = z - r;
-    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x)); // x - n ln 2, in two parts
-    let u = b * b;
-    let j = c(0x3c07_2010)
-        .mul_add(b, c(0x3d2b_9f17))
-        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
-    let j = j.mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
+    let (j, z) = expf_parts(x);
+    let n = z - EXPF_ROUND;
     if n.abs() > 192.0 {
         return if n <= 0.0 { 0.0 } else { f32::INFINITY };
     }
     // `_mm512_scalef_ps(j, n)`: j · 2^n, exact in f64 for |n| <= 192, then one rounding.
     let pow2 = f64::from_bits(((n as i64 + 1023) as u64) << 52);
     (j as f64 * pow2) as f32
+}
+
+/// 0x1.8p23: adding it to a float below 2^22 rounds to an integer (in the low mantissa bits).
+const EXPF_ROUND: f32 = 12_582_912.0;
+
+/// The shared part of ggml's vector `expf`: `(j, z)` with `exp(x) = j · 2^n`, `j` ggml's degree-5
+/// polynomial of the reduced argument `x - n ln 2`, and `z = x / ln 2 + EXPF_ROUND`, whose value
+/// is `n + EXPF_ROUND` and whose low mantissa bits hold `n`. Callers differ in how they scale.
+#[inline(always)]
+fn expf_parts(x: f32) -> (f32, f32) {
+    let c = f32::from_bits;
+    let z = x.mul_add(c(0x3fb8_aa3b), EXPF_ROUND); // x / ln 2 + r
+    let n = z - EXPF_ROUND;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x)); // x - n ln 2, in two parts
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
+    let j = j.mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
+    (j, z)
 }
 
 with_fma!(fn swiglu_row = swiglu_row_impl(g: &[f32], u: &[f32], y: &mut [f32]));

@@ -6,8 +6,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{
-    Bool, ElementConversion, FloatDType, IndexingUpdateOp, Int, Shape, Tensor, TensorData, TensorMetadata,
-    TensorPrimitive, activation,
+    Bool, ElementConversion, FloatDType, IndexingUpdateOp, Int, Shape, Tensor, TensorData,
+    TensorMetadata, TensorPrimitive, activation,
 };
 
 use crate::quant::BLOCK;
@@ -354,7 +354,10 @@ pub fn adamw_step<B: Backend>(
                 .mul_scalar(s.beta_2)
                 .add(g.square().mul_scalar(factor_2)),
         ),
-        None => (g.clone().mul_scalar(factor_1), g.square().mul_scalar(factor_2)),
+        None => (
+            g.clone().mul_scalar(factor_1),
+            g.square().mul_scalar(factor_2),
+        ),
     };
     let time = s.time as i32;
     let m_hat = m.clone().div_scalar(1f32 - s.beta_1.powi(time));

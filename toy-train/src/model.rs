@@ -100,19 +100,9 @@ impl<B: ToyBackend> Trainee<B> {
         }
     }
 
-    /// Logits `[batch, t, vocab]` of `tokens` from an empty cache. With a projection the token
-    /// embedding is `donor · P`, computed in the graph, so `P` gets the gradient.
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>, donor: Option<&Tensor<B, 2>>) -> Tensor<B, 3> {
-        match (&self.embd_proj, donor) {
-            (Some(_), Some(donor)) => {
-                let model = self.folded(donor);
-                model.forward(tokens, &mut model.new_cache())
-            }
-            _ => self.model.forward(tokens, &mut self.model.new_cache()),
-        }
-    }
-
-    /// Mean next-token cross-entropy of `tokens` against `targets` ([`Model::loss`]).
+    /// Mean next-token cross-entropy of `tokens` against `targets` (`CausalLm::loss`), from an
+    /// empty cache. With a projection the token embedding is `donor · P`, computed in the graph,
+    /// so `P` gets the gradient.
     pub fn loss(
         &self,
         tokens: Tensor<B, 2, Int>,

@@ -255,7 +255,8 @@ mod tests {
                     .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
                     .collect()
             };
-            let tensor = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [700, 100]), &device);
+            let tensor =
+                |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [700, 100]), &device);
             let (mut p_burn, mut p_ours) = (tensor(values(1)), tensor(values(1)));
             let (mut s_burn, mut s_ours) = (None, None);
             for step in 0..4u32 {
@@ -264,9 +265,21 @@ mod tests {
                 (p_burn, s_burn) = SimpleOptimizer::<B>::step(&burn, lr, p_burn, g.clone(), s_burn);
                 (p_ours, s_ours) = SimpleOptimizer::<B>::step(&ours, lr, p_ours, g, s_ours);
                 let (a, b) = (s_burn.as_ref().unwrap(), s_ours.as_ref().unwrap());
-                assert_eq!(bits(&p_burn), bits(&p_ours), "param, step {step}, decay {weight_decay}");
-                assert_eq!(bits(&a.momentum.moment_1), bits(&b.momentum.moment_1), "m, step {step}");
-                assert_eq!(bits(&a.momentum.moment_2), bits(&b.momentum.moment_2), "v, step {step}");
+                assert_eq!(
+                    bits(&p_burn),
+                    bits(&p_ours),
+                    "param, step {step}, decay {weight_decay}"
+                );
+                assert_eq!(
+                    bits(&a.momentum.moment_1),
+                    bits(&b.momentum.moment_1),
+                    "m, step {step}"
+                );
+                assert_eq!(
+                    bits(&a.momentum.moment_2),
+                    bits(&b.momentum.moment_2),
+                    "v, step {step}"
+                );
                 assert_eq!(a.momentum.time, b.momentum.time);
             }
         }

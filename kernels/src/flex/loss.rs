@@ -132,9 +132,15 @@ pub(super) fn forward(h: &[f32], w: &[f32], targets: &[usize], d: usize) -> (f32
     let mut loss = 0.0f64;
     let mut logsumexp = vec![0.0f32; n];
     for (i, &t) in targets.iter().enumerate() {
-        let max = runs.iter().map(|(m, _, _)| m[i]).fold(f32::NEG_INFINITY, |a, b| {
-            if b > a || b.is_nan() { b } else { a }
-        });
+        let max = runs
+            .iter()
+            .map(|(m, _, _)| m[i])
+            .fold(
+                f32::NEG_INFINITY,
+                |a, b| {
+                    if b > a || b.is_nan() { b } else { a }
+                },
+            );
         let sum: f64 = runs
             .iter()
             .map(|(m, s, _)| s[i] as f64 * ((m[i] - max) as f64).exp())
@@ -269,7 +275,9 @@ fn slice_max_impl(x: &[f32]) -> f32 {
             nan[l] |= c[l].is_nan();
         }
     }
-    let mut max = acc.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    let mut max = acc
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
     for &v in tail {
         max = if v > max { v } else { max };
     }
@@ -316,19 +324,10 @@ fn exp_shifted_impl(x: &mut [f32], shift: f32) {
 /// smaller, which no softmax sum of at least 1 can tell apart. NaN stays NaN.
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
-    let c = f32::from_bits;
     // Comparisons, not `max`/`min`, which would replace a NaN.
     let x = if x < -86.0 { -86.0 } else { x };
     let x = if x > 88.0 { 88.0 } else { x };
-    let r = c(0x4b40_0000); // 0x1.8p23: adding it rounds to an integer
-    let z = x.mul_add(c(0x3fb8_aa3b), r); // x / ln 2 + r: n in the low mantissa bits
-    let n = z - r;
-    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x)); // x - n ln 2
-    let u = b * b;
-    let j = c(0x3c07_2010)
-        .mul_add(b, c(0x3d2b_9f17))
-        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
-    let j = j.mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
+    let (j, z) = super::expf_parts(x);
     if j.is_nan() {
         return j;
     }
@@ -429,7 +428,10 @@ mod tests {
         let mut x = -86.0f32;
         while x <= 1.0 {
             let (got, want) = (exp_nonpositive(x) as f64, (x as f64).exp());
-            assert!((got - want).abs() <= 4e-7 * want, "exp({x}) = {got}, want {want}");
+            assert!(
+                (got - want).abs() <= 4e-7 * want,
+                "exp({x}) = {got}, want {want}"
+            );
             x += 0.0137;
         }
         let floor = exp_nonpositive(-1000.0);
@@ -437,4 +439,3 @@ mod tests {
         assert!(exp_nonpositive(f32::NAN).is_nan());
     }
 }
-

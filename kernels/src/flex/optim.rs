@@ -130,7 +130,9 @@ mod tests {
     #[test]
     fn sum_squares_adds_every_element() {
         // Several chunks, and a length that is not a multiple of the eight lanes.
-        let x: Vec<f32> = (0..100_003).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+        let x: Vec<f32> = (0..100_003)
+            .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
+            .collect();
         let want: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
         let got = super::sum_squares(&x) as f64;
         assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
