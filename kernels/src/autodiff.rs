@@ -1,8 +1,10 @@
 //! `ToyBackend` for `Autodiff<B>`: the forward of each hot op runs the inner backend's
 //! implementation (cubecl kernels on wgpu/cuda, native loops on Flex), and a custom `Backward`
-//! gives the gradients. RMSNorm and SwiGLU keep their reference bodies, which burn differentiates
-//! itself.
+//! gives the gradients.
 //!
+//! - RMSNorm and SwiGLU: the inner backend's `rms_norm_backward` / `swiglu_backward` from the
+//!   saved inputs. burn's autodiff of their reference bodies records about ten elementwise ops
+//!   each and runs their backward one tensor-wide pass at a time.
 //! - Quantized matmuls: gradient w.r.t. `x` only (`dX = dY · dequant(W)`); the quantized base is
 //!   frozen (QLoRA). The forward rounds activations to 8-bit blocks as llama.cpp does; the
 //!   backward is that of the exact product (a straight-through estimate of the rounding).
@@ -98,6 +100,47 @@ fn qmatmul<B: ToyBackend, C: CheckpointStrategy>(
             prep.finish((words, scales, mins), out)
         }
         OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, words, scales, mins)),
+    }
+}
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl<B: ToyBackend> Backward<B, 2> for RmsNormBackward {
+    /// `x`, the weight and epsilon.
+    type State = (FloatTensor<B>, FloatTensor<B>, f32);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, weight, eps) = ops.state;
+        let (dx, dw) = B::rms_norm_backward(x, weight, eps, grad, node_w.is_some());
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl<B: ToyBackend> Backward<B, 2> for SwigluBackward {
+    /// The gate and the up projection.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_gate, node_up] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (gate, up) = ops.state;
+        let (d_gate, d_up) = B::swiglu_backward(gate, up, grad);
+        for (node, g) in [(node_gate, d_gate), (node_up, d_up)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
     }
 }
 
@@ -288,6 +331,38 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
         mins: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         qmatmul::<B, C>(QFormat::Q4_1, x, words, scales, Some(mins))
+    }
+
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        match RmsNormBackward
+            .prepare::<C>([x.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (x, weight) = (x.primitive, weight.primitive);
+                let out = B::rms_norm(x.clone(), weight.clone(), eps);
+                prep.finish((x, weight, eps), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::rms_norm(x.primitive, weight.primitive, eps))
+            }
+        }
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        match SwigluBackward
+            .prepare::<C>([gate.node.clone(), up.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (gate, up) = (gate.primitive, up.primitive);
+                let out = B::swiglu(gate.clone(), up.clone());
+                prep.finish((gate, up), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(gate.primitive, up.primitive)),
+        }
     }
 
     fn rope(

@@ -106,6 +106,61 @@ impl ToyBackend for Flex {
         FlexTensor::from_data(TensorData::new(out, shape))
     }
 
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+        dy: FloatTensor<Self>,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (shape, weight_shape) = (x.shape(), weight.shape());
+        let d = shape[shape.num_dims() - 1];
+        let (x, w, dy) = (
+            x.to_contiguous(),
+            weight.to_contiguous(),
+            dy.to_contiguous(),
+        );
+        let (Some(xs), Some(ws), Some(dys)) = (
+            x.as_slice::<f32>(),
+            w.as_slice::<f32>(),
+            dy.as_slice::<f32>(),
+        ) else {
+            return reference::rms_norm_backward::<Self>(x, w, eps, dy, weight_grad);
+        };
+        if ws.len() != d || dys.len() != xs.len() {
+            return reference::rms_norm_backward::<Self>(x, w, eps, dy, weight_grad);
+        }
+        let (dx, dw) = grad::rms_norm_backward(xs, ws, dys, eps, weight_grad);
+        (
+            FlexTensor::from_data(TensorData::new(dx, shape)),
+            dw.map(|dw| FlexTensor::from_data(TensorData::new(dw, weight_shape))),
+        )
+    }
+
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let shape = up.shape();
+        let (g, u, dy) = (gate.to_contiguous(), up.to_contiguous(), dy.to_contiguous());
+        let (Some(gs), Some(us), Some(dys)) = (
+            g.as_slice::<f32>(),
+            u.as_slice::<f32>(),
+            dy.as_slice::<f32>(),
+        ) else {
+            return reference::swiglu_backward::<Self>(g, u, dy);
+        };
+        if gs.len() != us.len() || dys.len() != us.len() {
+            return reference::swiglu_backward::<Self>(g, u, dy);
+        }
+        let (d_gate, d_up) = grad::swiglu_backward(gs, us, dys);
+        (
+            FlexTensor::from_data(TensorData::new(d_gate, shape.clone())),
+            FlexTensor::from_data(TensorData::new(d_up, shape)),
+        )
+    }
+
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let shape = up.shape();
         let (g, u) = (gate.to_contiguous(), up.to_contiguous());
@@ -982,6 +1037,7 @@ fn quantize_row_impl(x: &[f32]) -> QuantRow {
 // the same bits faster and are used when the CPU has AVX2 and FMA.
 
 #[cfg(target_arch = "x86_64")]
+mod grad;
 mod loss;
 mod optim;
 mod vnni;

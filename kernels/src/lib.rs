@@ -106,9 +106,34 @@ pub trait ToyBackend: Backend {
         reference::rms_norm::<Self>(x, weight, eps)
     }
 
+    /// The gradients `(dx, dweight)` of [`rms_norm`](Self::rms_norm) for the output gradient
+    /// `dy`: per row, with `r = 1 / sqrt(mean(x²) + eps)` and `g = dy · weight`,
+    /// `dx = r · (g − x · r² · mean(g · x))`, and `dweight = Σ_rows dy · x · r`. `dweight` only
+    /// when `weight_grad` (a frozen norm, as in LoRA, needs none).
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+        dy: FloatTensor<Self>,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        reference::rms_norm_backward::<Self>(x, weight, eps, dy, weight_grad)
+    }
+
     /// The SwiGLU gate: `silu(gate) * up`, elementwise.
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         reference::swiglu::<Self>(gate, up)
+    }
+
+    /// The gradients `(dgate, dup)` of [`swiglu`](Self::swiglu) for the output gradient `dy`:
+    /// with `s = sigmoid(gate)`, `dgate = dy · up · s · (1 + gate · (1 − s))` and
+    /// `dup = dy · gate · s`.
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::swiglu_backward::<Self>(gate, up, dy)
     }
 
     /// Rotary embedding of `x[b, h, t, d]`: pair `i` of token `t` is rotated by the angle whose

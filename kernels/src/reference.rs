@@ -139,11 +139,64 @@ pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32)
     B::float_reshape(y.into_primitive().tensor(), shape)
 }
 
+pub fn rms_norm_backward<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    eps: f32,
+    dy: FloatTensor<B>,
+    weight_grad: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let shape = x.shape();
+    let d = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements() / d;
+    let flat = |t| float::<B, 2>(B::float_reshape(t, Shape::new([rows, d])));
+    let (x, dy) = (flat(x), flat(dy));
+    let (dtype, weight_dtype) = (x.dtype(), weight.dtype());
+    // In f32, as the forward.
+    let (x, dy) = (x.cast(FloatDType::F32), dy.cast(FloatDType::F32));
+    let r = x
+        .clone()
+        .square()
+        .mean_dim(1)
+        .add_scalar(eps)
+        .sqrt()
+        .recip();
+    let w = float::<B, 1>(weight).cast(FloatDType::F32).unsqueeze::<2>();
+    let g = dy.clone() * w;
+    let mean_gx = (g.clone() * x.clone()).mean_dim(1);
+    let dx = (g - x.clone() * r.clone().square() * mean_gx) * r.clone();
+    let dweight = weight_grad.then(|| {
+        (dy * x * r)
+            .sum_dim(0)
+            .reshape([d])
+            .cast(weight_dtype)
+            .into_primitive()
+            .tensor()
+    });
+    let dx = B::float_reshape(dx.cast(dtype).into_primitive().tensor(), shape);
+    (dx, dweight)
+}
+
 pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTensor<B> {
     let shape = up.shape();
     let flat = |t| float::<B, 1>(B::float_reshape(t, Shape::new([shape.num_elements()])));
     let y = activation::silu(flat(gate)) * flat(up);
     B::float_reshape(y.into_primitive().tensor(), shape)
+}
+
+pub fn swiglu_backward<B: Backend>(
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let shape = up.shape();
+    let flat = |t| float::<B, 1>(B::float_reshape(t, Shape::new([shape.num_elements()])));
+    let (g, u, dy) = (flat(gate), flat(up), flat(dy));
+    let s = activation::sigmoid(g.clone());
+    let d_up = dy.clone() * g.clone() * s.clone();
+    let d_gate = dy * u * s.clone() * (g * s.neg().add_scalar(1.0)).add_scalar(1.0);
+    let shaped = |t: Tensor<B, 1>| B::float_reshape(t.into_primitive().tensor(), shape.clone());
+    (shaped(d_gate), shaped(d_up))
 }
 
 pub fn rope<B: Backend>(

@@ -387,8 +387,8 @@ fn attention_matches_f64() {
 
 /// The custom backward passes of `Autodiff<B>` (forward by `B`'s own op) against burn's autodiff
 /// of the reference bodies on NdArray, for `L = Σ y ⊙ r`: the gradients w.r.t. x (quantized
-/// matmul), x (RoPE), q, k, v (attention with GQA 3, a window, a soft-cap and a cache offset) and
-/// the logits (cross-entropy).
+/// matmul), x and the weight (RMSNorm), the gate and up (SwiGLU), x (RoPE), q, k, v (attention
+/// with GQA 3, a window, a soft-cap and a cache offset) and the logits (cross-entropy).
 fn check_grads<B: ToyBackend>() {
     type Ref = Autodiff<NdArray>;
     let (d, dr) = (Default::default(), Default::default());
@@ -533,6 +533,72 @@ fn check_grads<B: ToyBackend>() {
             close(&format!("attention {name} (T = {tq})"), got, &want, 1e-5);
         }
     }
+
+    // RMSNorm, dX and dWeight: 70 rows (several of Flex's 32-row tasks) of 37.
+    let (rows, dm) = (70, 37);
+    let x = randn(rows * dm, 15);
+    let w: Vec<f32> = randn(dm, 16).iter().map(|v| 1.0 + 0.5 * v).collect();
+    let r = randn(rows * dm, 17);
+    let eps = 1e-5;
+    let xt = float::<Autodiff<B>, 2>(x.clone(), [rows, dm], &d).require_grad();
+    let wt = float::<Autodiff<B>, 1>(w.clone(), [dm], &d).require_grad();
+    let y = Tensor::<Autodiff<B>, 2>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::rms_norm(
+            xt.clone().into_primitive().tensor(),
+            wt.clone().into_primitive().tensor(),
+            eps,
+        ),
+    ));
+    let g = (y * float::<Autodiff<B>, 2>(r.clone(), [rows, dm], &d))
+        .sum()
+        .backward();
+    let (got_dx, got_dw) = (host(xt.grad(&g).unwrap()), host(wt.grad(&g).unwrap()));
+    let xr = float::<Ref, 2>(x, [rows, dm], &dr).require_grad();
+    let wr = float::<Ref, 1>(w, [dm], &dr).require_grad();
+    let y = Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::rms_norm::<Ref>(
+        xr.clone().into_primitive().tensor(),
+        wr.clone().into_primitive().tensor(),
+        eps,
+    )));
+    let g = (y * float::<Ref, 2>(r, [rows, dm], &dr)).sum().backward();
+    close("rms_norm dX", &got_dx, &host(xr.grad(&g).unwrap()), 1e-5);
+    close(
+        "rms_norm dWeight",
+        &got_dw,
+        &host(wr.grad(&g).unwrap()),
+        1e-4,
+    );
+
+    // SwiGLU, dGate and dUp: 3 rows of 7000 (several of Flex's tasks), gates up to ±200 (where
+    // the sigmoid saturates).
+    let shape = [3, 7000];
+    let n = 21000;
+    let mut gate: Vec<f32> = randn(n, 18).iter().map(|v| 4.0 * v).collect();
+    gate[5] = 200.0;
+    gate[6] = -200.0;
+    let up = randn(n, 19);
+    let r = randn(n, 20);
+    let gt = float::<Autodiff<B>, 2>(gate.clone(), shape, &d).require_grad();
+    let ut = float::<Autodiff<B>, 2>(up.clone(), shape, &d).require_grad();
+    let y = Tensor::<Autodiff<B>, 2>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::swiglu(
+            gt.clone().into_primitive().tensor(),
+            ut.clone().into_primitive().tensor(),
+        ),
+    ));
+    let g = (y * float::<Autodiff<B>, 2>(r.clone(), shape, &d))
+        .sum()
+        .backward();
+    let (got_dg, got_du) = (host(gt.grad(&g).unwrap()), host(ut.grad(&g).unwrap()));
+    let gr = float::<Ref, 2>(gate, shape, &dr).require_grad();
+    let ur = float::<Ref, 2>(up, shape, &dr).require_grad();
+    let y = Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::swiglu::<Ref>(
+        gr.clone().into_primitive().tensor(),
+        ur.clone().into_primitive().tensor(),
+    )));
+    let g = (y * float::<Ref, 2>(r, shape, &dr)).sum().backward();
+    close("swiglu dGate", &got_dg, &host(gr.grad(&g).unwrap()), 1e-5);
+    close("swiglu dUp", &got_du, &host(ur.grad(&g).unwrap()), 1e-5);
 
     // Cross-entropy against burn's autodiff of `-mean(gather(log_softmax(x), target))`, with an
     // upstream gradient of 3 (the loss is scaled): same loss bits, gradients to rounding.
