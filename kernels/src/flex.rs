@@ -209,6 +209,48 @@ impl ToyBackend for Flex {
         FlexTensor::from_data(TensorData::new(out, qs))
     }
 
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (qs, ks) = (q.shape(), k.shape());
+        let (q, k, v, d_out) = (
+            q.to_contiguous(),
+            k.to_contiguous(),
+            v.to_contiguous(),
+            d_out.to_contiguous(),
+        );
+        let slices = (
+            q.as_slice::<f32>(),
+            k.as_slice::<f32>(),
+            v.as_slice::<f32>(),
+            d_out.as_slice::<f32>(),
+        );
+        let (Some(qd), Some(kd), Some(vd), Some(dod)) = slices else {
+            return reference::attention_backward::<Self>(q, k, v, d_out, &options);
+        };
+        if qs.num_dims() != 4 || dod.len() != qd.len() {
+            return reference::attention_backward::<Self>(q, k, v, d_out, &options);
+        }
+        let dims = AttnDims {
+            b: qs[0],
+            h: qs[1],
+            tq: qs[2],
+            d: qs[3],
+            h_kv: ks[1],
+            tk: ks[2],
+        };
+        let (dq, dk, dv) = grad::attention_backward(qd, kd, vd, dod, &dims, &options);
+        (
+            FlexTensor::from_data(TensorData::new(dq, qs)),
+            FlexTensor::from_data(TensorData::new(dk, ks.clone())),
+            FlexTensor::from_data(TensorData::new(dv, ks)),
+        )
+    }
+
     fn rope(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

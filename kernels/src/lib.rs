@@ -159,6 +159,19 @@ pub trait ToyBackend: Backend {
         reference::attention::<Self>(q, k, v, options)
     }
 
+    /// The gradients `(dq, dk, dv)` of [`attention`](Self::attention) for the output gradient
+    /// `d_out[b, h, tq, d]`, recomputing the probabilities from `q`, `k`, `v` (the forward keeps
+    /// no `T × T` matrix). The K/V gradients sum over the query heads that share each K/V head.
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        reference::attention_backward::<Self>(q, k, v, d_out, &options)
+    }
+
     /// Mean cross-entropy (natural log) of `logits[n, vocab]` against class ids `targets[n]`:
     /// `mean(logsumexp(row) - row[target])`, shape `[1]`. Under `Autodiff` its backward is the
     /// closed form `(softmax - onehot) / n`, instead of burn's graph through `log_softmax` and

@@ -287,6 +287,90 @@ pub fn attention_probs<B: Backend>(
     (probs, capped)
 }
 
+/// Query rows per chunk of the attention backward: the recomputed probabilities of one chunk
+/// take `batch · heads · ROWS · keys` floats, so memory grows as O(T), not O(T²).
+const BACKWARD_ROWS: usize = 64;
+
+/// Gradients of attention w.r.t. q, k, v, from the saved inputs and `dO`, one chunk of
+/// [`BACKWARD_ROWS`] query positions at a time (FlashAttention's recomputation, in tensor ops):
+/// each chunk recomputes its probabilities against only the keys its rows can see (up to its
+/// last position, and from its first row's window start), adds its `Pᵀ·dO` and `dSᵀ·Q` into the
+/// K/V gradients and writes its own rows of `dQ`. Query heads that share a K/V head are stacked
+/// as rows (as in the reference), so those products also sum over the group.
+pub fn attention_backward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    options: &AttentionOptions,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let q: Tensor<B, 4> = float(q);
+    let k: Tensor<B, 4> = float(k);
+    let v: Tensor<B, 4> = float(v);
+    let [b, h, tq, d] = q.dims();
+    let [_, h_kv, tk, _] = k.dims();
+    let group = h / h_kv;
+    // [b, h_kv, group, tq, d]: a chunk of positions is a narrow of dim 3 for every group.
+    let q = q.reshape([b, h_kv, group, tq, d]);
+    let d_out = float::<B, 4>(grad).reshape([b, h_kv, group, tq, d]);
+    let mut d_k = k.zeros_like();
+    let mut d_v = v.zeros_like();
+    let mut d_q = Vec::new();
+    for i0 in (0..tq).step_by(BACKWARD_ROWS) {
+        let rows = BACKWARD_ROWS.min(tq - i0);
+        // Keys the chunk can see: j <= its last position, j > its first position − window.
+        let j_end = tk.min(options.q_offset + i0 + rows);
+        let j0 = options
+            .window
+            .map_or(0, |w| (options.q_offset + i0 + 1).saturating_sub(w));
+        let keys = j_end - j0;
+        // Positions relative to the first visible key: the mask depends on `pos − j` only.
+        let chunk_options = AttentionOptions {
+            q_offset: options.q_offset + i0 - j0,
+            ..*options
+        };
+        let chunk = |t: &Tensor<B, 5>| {
+            t.clone()
+                .narrow(3, i0, rows)
+                .reshape([b, h_kv, group * rows, d])
+        };
+        let (q_c, d_out_c) = (chunk(&q), chunk(&d_out));
+        let k_c = k.clone().narrow(2, j0, keys);
+        let v_c = v.clone().narrow(2, j0, keys);
+
+        let (probs, capped) = attention_probs(q_c.clone(), k_c.clone(), rows, &chunk_options);
+        let d_v_c = probs.clone().transpose().matmul(d_out_c.clone());
+        let d_probs = d_out_c.matmul(v_c.transpose());
+        let row_dot = (d_probs.clone() * probs.clone()).sum_dim(3);
+        let mut d_scores = probs * (d_probs - row_dot);
+        if let Some(t) = capped {
+            // d/ds of cap·tanh(s/cap) = 1 − tanh².
+            d_scores = d_scores * (t.clone() * t).neg().add_scalar(1.0);
+        }
+        let d_scores = d_scores.mul_scalar(options.scale);
+        d_q.push(
+            d_scores
+                .clone()
+                .matmul(k_c)
+                .reshape([b, h_kv, group, rows, d]),
+        );
+        let d_k_c = d_scores.transpose().matmul(q_c);
+        let range = [0..b, 0..h_kv, j0..j_end, 0..d];
+        d_k = d_k
+            .clone()
+            .slice_assign(range.clone(), d_k.slice(range.clone()) + d_k_c);
+        d_v = d_v
+            .clone()
+            .slice_assign(range.clone(), d_v.slice(range) + d_v_c);
+    }
+    let d_q = Tensor::cat(d_q, 3).reshape([b, h, tq, d]);
+    (
+        d_q.into_primitive().tensor(),
+        d_k.into_primitive().tensor(),
+        d_v.into_primitive().tensor(),
+    )
+}
+
 pub fn attention<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
