@@ -2,6 +2,8 @@
 //! implementation (cubecl kernels on wgpu/cuda, native loops on Flex), and a custom `Backward`
 //! gives the gradients.
 //!
+//! - Dense linear layers: the inner backend's `dense_linear_backward`; `x` is kept only when the
+//!   weight is tracked (a frozen base weight's layer needs only `dx = dy · w`).
 //! - RMSNorm and SwiGLU: the inner backend's `rms_norm_backward` / `swiglu_backward` from the
 //!   saved inputs. burn's autodiff of their reference bodies records about ten elementwise ops
 //!   each and runs their backward one tensor-wide pass at a time.
@@ -100,6 +102,27 @@ fn qmatmul<B: ToyBackend, C: CheckpointStrategy>(
             prep.finish((words, scales, mins), out)
         }
         OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, words, scales, mins)),
+    }
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl<B: ToyBackend> Backward<B, 2> for LinearBackward {
+    /// `x` (kept only when the weight is tracked: its gradient needs it) and the weight.
+    type State = (Option<FloatTensor<B>>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let (dx, dw) = B::dense_linear_backward(w, grad, x.filter(|_| node_w.is_some()));
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<B>(node.id, dw);
+        }
     }
 }
 
@@ -250,6 +273,22 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
         mins: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         qmatmul::<B, C>(QFormat::Q4_1, x, words, scales, Some(mins))
+    }
+
+    fn dense_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        let weight_tracked = w.is_tracked();
+        match LinearBackward
+            .prepare::<C>([x.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (x, w) = (x.primitive, w.primitive);
+                let out = B::dense_linear(x.clone(), w.clone());
+                prep.finish((weight_tracked.then_some(x), w), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::dense_linear(x.primitive, w.primitive)),
+        }
     }
 
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {

@@ -92,6 +92,45 @@ impl ToyBackend for Flex {
         }
     }
 
+    fn dense_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (x, w) = (x.to_contiguous(), w.to_contiguous());
+        let (Some((xd, [m, k])), Some((wd, [n, wk]))) = (matrix(&x), matrix(&w)) else {
+            return reference::dense_linear::<Self>(x, w);
+        };
+        if wk != k {
+            return reference::dense_linear::<Self>(x, w);
+        }
+        // x · wᵀ: wᵀ[k, n] is w read with column stride k.
+        let y = linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1));
+        FlexTensor::from_data(TensorData::new(y, [m, n]))
+    }
+
+    fn dense_linear_backward(
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        x: Option<FloatTensor<Self>>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (w, dy) = (w.to_contiguous(), dy.to_contiguous());
+        let x = x.map(|x| x.to_contiguous());
+        let (Some((wd, [n, k])), Some((dyd, [m, dn]))) = (matrix(&w), matrix(&dy)) else {
+            return reference::dense_linear_backward::<Self>(w, dy, x);
+        };
+        let xd = match x.as_ref().map(matrix) {
+            None => None,
+            Some(Some((xd, [xm, xk]))) if xm == m && xk == k => Some(xd),
+            Some(_) => return reference::dense_linear_backward::<Self>(w, dy, x),
+        };
+        if dn != n {
+            return reference::dense_linear_backward::<Self>(w, dy, x);
+        }
+        let dx = linear::new_product(m, k, n, (dyd, 1, n), (wd, 1, k)); // dy · w
+        let dw = xd.map(|xd| {
+            let dw = linear::new_product(n, k, m, (dyd, n, 1), (xd, 1, k)); // dyᵀ · x
+            FlexTensor::from_data(TensorData::new(dw, [n, k]))
+        });
+        (FlexTensor::from_data(TensorData::new(dx, [m, k])), dw)
+    }
+
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         let shape = x.shape();
         let d = shape[shape.num_dims() - 1];
@@ -383,6 +422,15 @@ impl ToyBackend for Flex {
             None => reference::sum_squares::<Self>(x),
         }
     }
+}
+
+/// A contiguous f32 matrix's data and `[rows, cols]`.
+fn matrix(t: &FlexTensor) -> Option<(&[f32], [usize; 2])> {
+    let shape = t.shape();
+    if shape.num_dims() != 2 {
+        return None;
+    }
+    Some((t.as_slice::<f32>()?, [shape[0], shape[1]]))
 }
 
 /// `t` contiguous, in a buffer this code may write: itself when it is contiguous and nothing
@@ -1080,6 +1128,7 @@ fn quantize_row_impl(x: &[f32]) -> QuantRow {
 
 #[cfg(target_arch = "x86_64")]
 mod grad;
+mod linear;
 mod loss;
 mod optim;
 mod vnni;

@@ -101,6 +101,24 @@ pub trait ToyBackend: Backend {
         reference::q4_1_matmul::<Self>(x, words, scales, mins)
     }
 
+    /// A dense linear layer without bias: `y[m, n] = x[m, k] · w[n, k]ᵀ` (PyTorch's
+    /// `F.linear`). Under `Autodiff` its backward is
+    /// [`dense_linear_backward`](Self::dense_linear_backward).
+    fn dense_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::dense_linear::<Self>(x, w)
+    }
+
+    /// The gradients `(dx, dw)` of [`dense_linear`](Self::dense_linear) for the output gradient `dy[m, n]`:
+    /// `dx = dy · w` and, when the layer's input `x` is given, `dw = dyᵀ · x` (a frozen weight
+    /// needs no gradient, and its layer keeps no `x` for one).
+    fn dense_linear_backward(
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        x: Option<FloatTensor<Self>>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        reference::dense_linear_backward::<Self>(w, dy, x)
+    }
+
     /// RMS normalization over the last dim: `y = x / sqrt(mean(x²) + eps) * weight`.
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         reference::rms_norm::<Self>(x, weight, eps)

@@ -116,6 +116,25 @@ pub fn q4_1_matmul<B: Backend>(
     matmul_transposed(float(x), w)
 }
 
+pub fn dense_linear<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B> {
+    let y = float::<B, 2>(x).matmul(float::<B, 2>(w).transpose());
+    y.into_primitive().tensor()
+}
+
+pub fn dense_linear_backward<B: Backend>(
+    w: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    x: Option<FloatTensor<B>>,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let dy = float::<B, 2>(dy);
+    let dw = x.map(|x| {
+        let dw = dy.clone().transpose().matmul(float::<B, 2>(x));
+        dw.into_primitive().tensor()
+    });
+    let dx = dy.matmul(float::<B, 2>(w));
+    (dx.into_primitive().tensor(), dw)
+}
+
 pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32) -> FloatTensor<B> {
     let shape = x.shape();
     let d = shape[shape.num_dims() - 1];

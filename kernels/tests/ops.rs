@@ -387,7 +387,7 @@ fn attention_matches_f64() {
 
 /// The custom backward passes of `Autodiff<B>` (forward by `B`'s own op) against burn's autodiff
 /// of the reference bodies on NdArray, for `L = Σ y ⊙ r`: the gradients w.r.t. x (quantized
-/// matmul), x and the weight (RMSNorm), the gate and up (SwiGLU), x (RoPE), q, k, v (attention
+/// matmul), x and the weight (dense linear layer; RMSNorm), the gate and up (SwiGLU), x (RoPE), q, k, v (attention
 /// with GQA 3, a window, a soft-cap and a cache offset) and the logits (cross-entropy).
 fn check_grads<B: ToyBackend>() {
     type Ref = Autodiff<NdArray>;
@@ -532,6 +532,51 @@ fn check_grads<B: ToyBackend>() {
         ) {
             close(&format!("attention {name} (T = {tq})"), got, &want, 1e-5);
         }
+    }
+
+    // Dense linear layer, dX and dW, and with a frozen weight dX only (the same dX): a product
+    // over burn-flex's threading threshold and a small one.
+    for (m, k, n) in [(200, 192, 200), (3, 20, 7)] {
+        let (x, w, r) = (randn(m * k, 21), randn(n * k, 22), randn(m * n, 23));
+        let xt = float::<Autodiff<B>, 2>(x.clone(), [m, k], &d).require_grad();
+        let layer = |w: &Tensor<Autodiff<B>, 2>| {
+            let y = Tensor::<Autodiff<B>, 2>::from_primitive(TensorPrimitive::Float(
+                <Autodiff<B> as ToyBackend>::dense_linear(
+                    xt.clone().into_primitive().tensor(),
+                    w.clone().into_primitive().tensor(),
+                ),
+            ));
+            (y * float::<Autodiff<B>, 2>(r.clone(), [m, n], &d))
+                .sum()
+                .backward()
+        };
+        let wt = float::<Autodiff<B>, 2>(w.clone(), [n, k], &d).require_grad();
+        let g = layer(&wt);
+        let (got_dx, got_dw) = (host(xt.grad(&g).unwrap()), host(wt.grad(&g).unwrap()));
+        let frozen = float::<Autodiff<B>, 2>(w.clone(), [n, k], &d);
+        let g = layer(&frozen);
+        assert_eq!(
+            host(xt.grad(&g).unwrap()),
+            got_dx,
+            "dX with a frozen weight"
+        );
+        assert!(frozen.grad(&g).is_none());
+        let xr = float::<Ref, 2>(x, [m, k], &dr).require_grad();
+        let wr = float::<Ref, 2>(w, [n, k], &dr).require_grad();
+        let y = xr.clone().matmul(wr.clone().transpose());
+        let g = (y * float::<Ref, 2>(r, [m, n], &dr)).sum().backward();
+        close(
+            "dense_linear dX",
+            &got_dx,
+            &host(xr.grad(&g).unwrap()),
+            1e-4,
+        );
+        close(
+            "dense_linear dW",
+            &got_dw,
+            &host(wr.grad(&g).unwrap()),
+            1e-4,
+        );
     }
 
     // RMSNorm, dX and dWeight: 70 rows (several of Flex's 32-row tasks) of 37.

@@ -17,7 +17,7 @@ use toy_core::rng::SplitMix64;
 use toy_kernels::ToyBackend;
 
 use crate::llama::{Block, Ffn, Transformer};
-use crate::qlinear::QLinear;
+use crate::qlinear::{QLinear, dense_linear};
 
 /// A projection an adapter can sit on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -125,10 +125,7 @@ impl<B: ToyBackend> Lora<B> {
             let mask = Tensor::<B, 2>::from_data(TensorData::new(mask, x2.dims()), &device);
             x2 = x2 * mask;
         }
-        let y = x2
-            .matmul(self.a.val().transpose())
-            .matmul(self.b.val().transpose())
-            .mul_scalar(self.scale);
+        let y = dense_linear(dense_linear(x2, self.a.val()), self.b.val()).mul_scalar(self.scale);
         let mut out = dims;
         out[D - 1] = y.dims()[1];
         y.reshape(out)

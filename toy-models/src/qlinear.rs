@@ -109,7 +109,7 @@ impl<B: ToyBackend> QLinear<B> {
         let k = dims[D - 1];
         let x2: Tensor<B, 2> = x.reshape([-1, k as i32]);
         let y = match self {
-            QLinear::Dense(w) => x2.matmul(w.val().transpose()),
+            QLinear::Dense(w) => dense_linear(x2, w.val()),
             QLinear::Q8_0(p) => p.matmul(x2, B::q8_0_matmul),
             QLinear::Q4_0(p) => p.matmul(x2, B::q4_0_matmul),
             QLinear::Q4_1(p) => {
@@ -209,4 +209,12 @@ mod tests {
             );
         }
     }
+}
+
+/// `x[m, k] · w[n, k]ᵀ` through [`ToyBackend::dense_linear`].
+pub fn dense_linear<B: ToyBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::dense_linear(
+        x.into_primitive().tensor(),
+        w.into_primitive().tensor(),
+    )))
 }

@@ -9,10 +9,11 @@
 //! ops per chunk of rows. Here RMSNorm and SwiGLU read their inputs once, and attention runs one
 //! task per K/V head: five `gemm` products and two row passes on buffers of that head.
 
-use gemm::{Parallelism, gemm};
+use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::AttnDims;
+use super::linear::product;
 use crate::AttentionOptions;
 
 /// Rows per parallel task of the RMSNorm backward. Its weight gradient is summed per task and the
@@ -160,8 +161,22 @@ pub(super) fn attention_backward(
             // SAFETY (all products): every pointer, stride and extent below addresses these
             // slices' elements: `[rows, d]`, `[tk, d]` and `[rows, tk]` row-major blocks.
             unsafe {
-                product(rows, tk, d, p.as_mut_ptr(), tk, (qg, 1, d), (kh, d, 1)); // Q·Kᵀ
-                product(rows, tk, d, ds.as_mut_ptr(), tk, (dog, 1, d), (vh, d, 1)); // dO·Vᵀ
+                product(
+                    (rows, tk, d),
+                    p.as_mut_ptr(),
+                    tk,
+                    (qg, 1, d),
+                    (kh, d, 1),
+                    Parallelism::None,
+                ); // Q·Kᵀ
+                product(
+                    (rows, tk, d),
+                    ds.as_mut_ptr(),
+                    tk,
+                    (dog, 1, d),
+                    (vh, d, 1),
+                    Parallelism::None,
+                ); // dO·Vᵀ
             }
             for r in 0..rows {
                 let pos = o.q_offset + r % tq;
@@ -176,51 +191,33 @@ pub(super) fn attention_backward(
                 score_grad_row(&mut p[at.clone()], &mut ds[at], t, lo, hi, o);
             }
             unsafe {
-                product(tk, d, rows, dv.as_mut_ptr(), d, (&p, tk, 1), (dog, 1, d)); // Pᵀ·dO
-                product(rows, d, tk, dq.as_mut_ptr(), d, (&ds, 1, tk), (kh, 1, d)); // dS·K
-                product(tk, d, rows, dk.as_mut_ptr(), d, (&ds, tk, 1), (qg, 1, d)); // dSᵀ·Q
+                product(
+                    (tk, d, rows),
+                    dv.as_mut_ptr(),
+                    d,
+                    (&p, tk, 1),
+                    (dog, 1, d),
+                    Parallelism::None,
+                ); // Pᵀ·dO
+                product(
+                    (rows, d, tk),
+                    dq.as_mut_ptr(),
+                    d,
+                    (&ds, 1, tk),
+                    (kh, 1, d),
+                    Parallelism::None,
+                ); // dS·K
+                product(
+                    (tk, d, rows),
+                    dk.as_mut_ptr(),
+                    d,
+                    (&ds, tk, 1),
+                    (qg, 1, d),
+                    Parallelism::None,
+                ); // dSᵀ·Q
             }
         });
     (dq, dk, dv)
-}
-
-/// `dst[m, n] (row stride dst_rs) = lhs · rhs`, each operand given as `(data, column stride, row
-/// stride)`, on this thread.
-///
-/// # Safety
-/// The strides and extents must address elements inside the slices and `dst`.
-unsafe fn product(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    lhs: (&[f32], usize, usize),
-    rhs: (&[f32], usize, usize),
-) {
-    unsafe {
-        gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            false,
-            lhs.0.as_ptr(),
-            lhs.1 as isize,
-            lhs.2 as isize,
-            rhs.0.as_ptr(),
-            rhs.1 as isize,
-            rhs.2 as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        )
-    }
 }
 
 with_fma!(fn score_grad_row = score_grad_row_impl(

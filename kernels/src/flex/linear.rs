@@ -1,0 +1,83 @@
+//! Dense products on the CPU with `gemm`: the linear layer and its backward
+//! ([`ToyBackend::dense_linear`](crate::ToyBackend::dense_linear),
+//! [`ToyBackend::dense_linear_backward`](crate::ToyBackend::dense_linear_backward)), and the per-head
+//! products of the attention backward.
+//!
+//! Why not burn-flex's matmul: it zero-fills each output and then copies it into an aligned
+//! buffer before `gemm` overwrites it, two passes over every product's output (about 8% of a
+//! LoRA step on SmolLM2). Here `gemm` writes into fresh, uninitialized memory. The `gemm` calls
+//! are burn-flex's (the same strides, and its rule for when to use threads), so the products
+//! have the same bits.
+
+use gemm::{Parallelism, gemm};
+
+/// One operand of a product: the data, its column stride and its row stride (in elements).
+pub(super) type Operand<'a> = (&'a [f32], usize, usize);
+
+/// `dst[m, n]` (row stride `dst_rs`) `= lhs[m, k] · rhs[k, n]`.
+///
+/// # Safety
+/// `dst` must be valid for writes of the `m × n` elements at `i · dst_rs + j`, and the strides
+/// and extents of `lhs` and `rhs` must address elements inside their slices.
+pub(super) unsafe fn product(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: Operand,
+    rhs: Operand,
+    parallelism: Parallelism,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            false,
+            lhs.0.as_ptr(),
+            lhs.1 as isize,
+            lhs.2 as isize,
+            rhs.0.as_ptr(),
+            rhs.1 as isize,
+            rhs.2 as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// `lhs[m, k] · rhs[k, n]` into a new row-major `[m, n]` buffer, on rayon's threads when the
+/// product is large (burn-flex's threshold: `m·n·k ≥ 192³`).
+pub(super) fn new_product(m: usize, n: usize, k: usize, lhs: Operand, rhs: Operand) -> Vec<f32> {
+    if m == 0 || n == 0 || k == 0 {
+        return vec![0.0; m * n];
+    }
+    let in_bounds = |(data, cs, rs): Operand, rows: usize, cols: usize| {
+        assert!(
+            (rows - 1) * rs + (cols - 1) * cs < data.len(),
+            "product operand out of bounds"
+        )
+    };
+    in_bounds(lhs, m, k);
+    in_bounds(rhs, k, n);
+    let parallelism = if m * n * k >= 192 * 192 * 192 {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    let mut out = Vec::with_capacity(m * n);
+    // SAFETY: `out` has room for `m·n` elements, the operands are in bounds, and with `k > 0` and `read_dst = false` gemm writes every element of `dst` (never reads it),
+    // so all `m·n` are initialized before `set_len`.
+    unsafe {
+        product((m, n, k), out.as_mut_ptr(), n, lhs, rhs, parallelism);
+        out.set_len(m * n);
+    }
+    out
+}
