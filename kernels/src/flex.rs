@@ -7,6 +7,7 @@
 //! `d_weight * d_activation`. That is both much faster than dequantizing the weight and the
 //! way to reproduce llama.cpp's numbers. Rows of the output are computed in parallel with rayon.
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -224,13 +225,9 @@ impl ToyBackend for Flex {
         options: AttentionOptions,
     ) -> FloatTensor<Self> {
         let (qs, ks) = (q.shape(), k.shape());
-        let (q, k, v) = (q.to_contiguous(), k.to_contiguous(), v.to_contiguous());
         let native = options.softcap.is_none() && qs.num_dims() == 4 && q.dtype() == DType::F32;
-        let (Some(qd), Some(kd), Some(vd)) = (
-            q.as_slice::<f32>(),
-            k.as_slice::<f32>(),
-            v.as_slice::<f32>(),
-        ) else {
+        let (Some(qd), Some(kd), Some(vd)) = (f32_elements(&q), f32_elements(&k), f32_elements(&v))
+        else {
             return reference::attention::<Self>(q, k, v, options);
         };
         if !native {
@@ -244,7 +241,7 @@ impl ToyBackend for Flex {
             h_kv: ks[1],
             tk: ks[2],
         };
-        let out = attention_ggml(qd, kd, vd, &dims, &options);
+        let out = attention_ggml(&qd, &kd, &vd, &dims, &options);
         FlexTensor::from_data(TensorData::new(out, qs))
     }
 
@@ -256,17 +253,11 @@ impl ToyBackend for Flex {
         options: AttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (qs, ks) = (q.shape(), k.shape());
-        let (q, k, v, d_out) = (
-            q.to_contiguous(),
-            k.to_contiguous(),
-            v.to_contiguous(),
-            d_out.to_contiguous(),
-        );
         let slices = (
-            q.as_slice::<f32>(),
-            k.as_slice::<f32>(),
-            v.as_slice::<f32>(),
-            d_out.as_slice::<f32>(),
+            f32_elements(&q),
+            f32_elements(&k),
+            f32_elements(&v),
+            f32_elements(&d_out),
         );
         let (Some(qd), Some(kd), Some(vd), Some(dod)) = slices else {
             return reference::attention_backward::<Self>(q, k, v, d_out, &options);
@@ -282,7 +273,7 @@ impl ToyBackend for Flex {
             h_kv: ks[1],
             tk: ks[2],
         };
-        let (dq, dk, dv) = grad::attention_backward(qd, kd, vd, dod, &dims, &options);
+        let (dq, dk, dv) = grad::attention_backward(&qd, &kd, &vd, &dod, &dims, &options);
         (
             FlexTensor::from_data(TensorData::new(dq, qs)),
             FlexTensor::from_data(TensorData::new(dk, ks.clone())),
@@ -297,12 +288,9 @@ impl ToyBackend for Flex {
         layout: RopeLayout,
     ) -> FloatTensor<Self> {
         let shape = x.shape();
-        let (xc, cc, sc) = (x.to_contiguous(), cos.to_contiguous(), sin.to_contiguous());
-        let (Some(xs), Some(cs), Some(ss)) = (
-            xc.as_slice::<f32>(),
-            cc.as_slice::<f32>(),
-            sc.as_slice::<f32>(),
-        ) else {
+        let (Some(xs), Some(cs), Some(ss)) =
+            (f32_elements(&x), f32_elements(&cos), f32_elements(&sin))
+        else {
             return reference::rope::<Self>(x, cos, sin, layout);
         };
         if shape.num_dims() != 4 || cs.len() != ss.len() || cs.len() % shape[2] != 0 {
@@ -310,9 +298,9 @@ impl ToyBackend for Flex {
         }
         let (t, d) = (shape[2], shape[3]);
         let half = cs.len() / t;
-        let mut out = xs.to_vec();
+        let mut out = xs.into_owned();
         out.par_chunks_mut(t * d)
-            .for_each(|head| rope_head(head, cs, ss, [d, half], layout));
+            .for_each(|head| rope_head(head, &cs, &ss, [d, half], layout));
         FlexTensor::from_data(TensorData::new(out, shape))
     }
 
@@ -422,6 +410,42 @@ impl ToyBackend for Flex {
             None => reference::sum_squares::<Self>(x),
         }
     }
+}
+
+/// `t`'s f32 elements in row-major order: borrowed when `t` is contiguous, else copied a row
+/// (of the last dimension) at a time. burn-flex's `to_contiguous` computes a strided index per
+/// element, which made the `[b, t, h, d]` ↔ `[b, h, t, d]` views around attention about a
+/// tenth of a LoRA step's single-threaded time.
+fn f32_elements(t: &FlexTensor) -> Option<Cow<'_, [f32]>> {
+    if let Some(s) = t.as_slice::<f32>() {
+        return Some(Cow::Borrowed(s));
+    }
+    if t.dtype() != DType::F32 {
+        return None;
+    }
+    let layout = t.layout();
+    let (shape, strides) = (layout.shape(), layout.strides());
+    let rank = shape.num_dims();
+    let d = shape[rank - 1];
+    if strides[rank - 1] != 1 || strides.iter().any(|&s| s < 0) || d == 0 {
+        let t = t.to_contiguous();
+        return Some(Cow::Owned(t.as_slice::<f32>()?.to_vec()));
+    }
+    let (data, start) = (t.storage::<f32>(), layout.start_offset());
+    let mut out = vec![0.0f32; shape.num_elements()];
+    out.par_chunks_mut(d)
+        .with_min_len(64)
+        .enumerate()
+        .for_each(|(row, dst)| {
+            // The row's offset: its index over the leading dimensions, last one fastest.
+            let (mut rest, mut offset) = (row, start);
+            for dim in (0..rank - 1).rev() {
+                offset += (rest % shape[dim]) * strides[dim] as usize;
+                rest /= shape[dim];
+            }
+            dst.copy_from_slice(&data[offset..offset + d]);
+        });
+    Some(Cow::Owned(out))
 }
 
 /// A contiguous f32 matrix's data and `[rows, cols]`.
@@ -1449,6 +1473,32 @@ impl Operands {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::Tensor;
+
+    /// The row-wise copy gives `to_contiguous`'s elements for the views attention makes
+    /// (a swap of the head and time dims, a narrow, an offset start) and borrows contiguous data.
+    #[test]
+    fn f32_elements_matches_to_contiguous() {
+        let device = Default::default();
+        let x = Tensor::<Flex, 1>::from_data(
+            TensorData::new((0..2 * 5 * 3 * 4).map(|i| i as f32).collect(), [120]),
+            &device,
+        )
+        .reshape([2, 5, 3, 4]);
+        let views = [
+            x.clone().swap_dims(1, 2),
+            x.clone().narrow(1, 1, 3).swap_dims(1, 2),
+            x.clone().narrow(3, 1, 2),
+            x.clone(),
+        ];
+        for (i, view) in views.into_iter().enumerate() {
+            let t = view.into_primitive().tensor();
+            let want = t.to_contiguous().as_slice::<f32>().unwrap().to_vec();
+            let got = f32_elements(&t).unwrap();
+            assert_eq!(*got, *want, "view {i}");
+            assert_eq!(matches!(got, Cow::Borrowed(_)), i == 3, "view {i}");
+        }
+    }
 
     /// The SIMD path must give the scalar specification's bits exactly.
     #[test]
