@@ -4,6 +4,7 @@
 //!
 //! - Dense linear layers: the inner backend's `dense_linear_backward`; `x` is kept only when the
 //!   weight is tracked (a frozen base weight's layer needs only `dx = dy · w`).
+//! - Splitting into heads and merging them back: each is the other's backward.
 //! - RMSNorm and SwiGLU: the inner backend's `rms_norm_backward` / `swiglu_backward` from the
 //!   saved inputs. burn's autodiff of their reference bodies records about ten elementwise ops
 //!   each and runs their backward one tensor-wide pass at a time.
@@ -27,7 +28,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
@@ -122,6 +123,36 @@ impl<B: ToyBackend> Backward<B, 2> for LinearBackward {
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {
             grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SplitHeadsBackward;
+
+impl<B: ToyBackend> Backward<B, 1> for SplitHeadsBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::merge_heads(grad));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct MergeHeadsBackward(usize);
+
+impl<B: ToyBackend> Backward<B, 1> for MergeHeadsBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::split_heads(grad, self.0));
         }
     }
 }
@@ -289,6 +320,21 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
             }
             OpsKind::UnTracked(prep) => prep.finish(B::dense_linear(x.primitive, w.primitive)),
         }
+    }
+
+    fn split_heads(x: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
+        SplitHeadsBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateless(B::split_heads(x.primitive, heads))
+    }
+
+    fn merge_heads(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let heads = x.primitive.shape()[1];
+        MergeHeadsBackward(heads)
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateless(B::merge_heads(x.primitive))
     }
 
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {

@@ -281,6 +281,18 @@ impl ToyBackend for Flex {
         )
     }
 
+    fn merge_heads(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let shape = x.shape();
+        if shape.num_dims() != 4 || x.dtype() != DType::F32 {
+            return reference::merge_heads::<Self>(x);
+        }
+        let [b, heads, t, d] = [shape[0], shape[1], shape[2], shape[3]];
+        // The merged layout is the heads' view with tokens before heads, made contiguous.
+        let view = x.transpose(1, 2);
+        let merged = f32_elements(&view).expect("an f32 tensor").into_owned();
+        FlexTensor::from_data(TensorData::new(merged, [b, t, heads * d]))
+    }
+
     fn rope(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

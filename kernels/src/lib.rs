@@ -154,6 +154,19 @@ pub trait ToyBackend: Backend {
         reference::swiglu_backward::<Self>(gate, up, dy)
     }
 
+    /// The `heads` attention heads of `x[b, t, heads · d]`, heads before tokens: `[b, heads, t,
+    /// d]`, the layout [`rope`](Self::rope) and [`attention`](Self::attention) take. The
+    /// default is a view (no copy).
+    fn split_heads(x: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
+        reference::split_heads::<Self>(x, heads)
+    }
+
+    /// The inverse of [`split_heads`](Self::split_heads): `x[b, heads, t, d]` to
+    /// `[b, t, heads · d]`, contiguous. Under `Autodiff` each is the other's backward.
+    fn merge_heads(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::merge_heads::<Self>(x)
+    }
+
     /// Rotary embedding of `x[b, h, t, d]`: pair `i` of token `t` is rotated by the angle whose
     /// `cos[t, i]` and `sin[t, i]` are given (`toy_core::rope` computes them as llama.cpp does);
     /// the first `2 * cos.dims()[1]` dims of each head rotate, the rest pass through.

@@ -218,6 +218,20 @@ pub fn swiglu_backward<B: Backend>(
     (shaped(d_gate), shaped(d_up))
 }
 
+pub fn split_heads<B: Backend>(x: FloatTensor<B>, heads: usize) -> FloatTensor<B> {
+    let x: Tensor<B, 3> = float(x);
+    let [b, t, width] = x.dims();
+    let heads = x.reshape([b, t, heads, width / heads]).swap_dims(1, 2);
+    heads.into_primitive().tensor()
+}
+
+pub fn merge_heads<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let x: Tensor<B, 4> = float(x);
+    let [b, heads, t, d] = x.dims();
+    let merged = x.swap_dims(1, 2).reshape([b, t, heads * d]);
+    merged.into_primitive().tensor()
+}
+
 pub fn rope<B: Backend>(
     x: FloatTensor<B>,
     cos: FloatTensor<B>,

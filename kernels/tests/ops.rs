@@ -387,7 +387,7 @@ fn attention_matches_f64() {
 
 /// The custom backward passes of `Autodiff<B>` (forward by `B`'s own op) against burn's autodiff
 /// of the reference bodies on NdArray, for `L = Σ y ⊙ r`: the gradients w.r.t. x (quantized
-/// matmul), x and the weight (dense linear layer; RMSNorm), the gate and up (SwiGLU), x (RoPE), q, k, v (attention
+/// matmul), x and the weight (dense linear layer; RMSNorm), x (splitting and merging heads), the gate and up (SwiGLU), x (RoPE), q, k, v (attention
 /// with GQA 3, a window, a soft-cap and a cache offset) and the logits (cross-entropy).
 fn check_grads<B: ToyBackend>() {
     type Ref = Autodiff<NdArray>;
@@ -578,6 +578,45 @@ fn check_grads<B: ToyBackend>() {
             1e-4,
         );
     }
+
+    // Splitting into heads and merging them back (each the other's backward), against burn's
+    // reshape and swap: y = merge(split(x) · r1) · r2, so both backwards run.
+    let (bt, t, heads, hd) = (2, 5, 3, 4);
+    let x = randn(bt * t * heads * hd, 24);
+    let (r1, r2) = (randn(x.len(), 25), randn(x.len(), 26));
+    let xt = float::<Autodiff<B>, 3>(x.clone(), [bt, t, heads * hd], &d).require_grad();
+    let split = Tensor::<Autodiff<B>, 4>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::split_heads(xt.clone().into_primitive().tensor(), heads),
+    ));
+    assert_eq!(split.dims(), [bt, heads, t, hd]);
+    let scaled = split * float::<Autodiff<B>, 4>(r1.clone(), [bt, heads, t, hd], &d);
+    let merged = Tensor::<Autodiff<B>, 3>::from_primitive(TensorPrimitive::Float(
+        <Autodiff<B> as ToyBackend>::merge_heads(scaled.into_primitive().tensor()),
+    ));
+    let got_y = host(merged.clone());
+    let g = (merged * float::<Autodiff<B>, 3>(r2.clone(), [bt, t, heads * hd], &d))
+        .sum()
+        .backward();
+    let got = host(xt.grad(&g).unwrap());
+    let xr = float::<Ref, 3>(x, [bt, t, heads * hd], &dr).require_grad();
+    let split = xr.clone().reshape([bt, t, heads, hd]).swap_dims(1, 2);
+    let merged = (split * float::<Ref, 4>(r1, [bt, heads, t, hd], &dr))
+        .swap_dims(1, 2)
+        .reshape([bt, t, heads * hd]);
+    assert_eq!(
+        got_y,
+        host(merged.clone()),
+        "merge_heads(split_heads(x) · r)"
+    );
+    let g = (merged * float::<Ref, 3>(r2, [bt, t, heads * hd], &dr))
+        .sum()
+        .backward();
+    close(
+        "split/merge heads dX",
+        &got,
+        &host(xr.grad(&g).unwrap()),
+        0.0,
+    );
 
     // RMSNorm, dX and dWeight: 70 rows (several of Flex's 32-row tasks) of 37.
     let (rows, dm) = (70, 37);

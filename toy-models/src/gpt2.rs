@@ -241,8 +241,8 @@ impl<B: ToyBackend> Gpt2Block<B> {
             v.into_primitive().tensor(),
             options,
         );
-        let out: Tensor<B, 4> = Tensor::from_primitive(TensorPrimitive::Float(out));
-        let h = self.wo.forward(out.swap_dims(1, 2).reshape([b, t, d])) + x;
+        let out: Tensor<B, 3> = Tensor::from_primitive(TensorPrimitive::Float(B::merge_heads(out)));
+        let h = self.wo.forward(out) + x;
         let f = self
             .down
             .forward(gelu_ggml(self.up.forward(self.ffn_norm.forward(h.clone()))));

@@ -612,12 +612,17 @@ impl<B: ToyBackend> Attention<B> {
                 Some(norm) if self.qk_norm_full => y = rms_norm(norm, y),
                 _ => {}
             }
-            let mut y = y.reshape([b, t, n, self.head_dim]);
             match norm {
-                Some(norm) if !self.qk_norm_full => y = rms_norm(norm, y),
+                Some(norm) if !self.qk_norm_full => {
+                    let per_head = rms_norm(norm, y.reshape([b, t, n, self.head_dim]));
+                    y = per_head.reshape([b, t, n * self.head_dim]);
+                }
                 _ => {}
             }
-            y.swap_dims(1, 2)
+            Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(B::split_heads(
+                y.into_primitive().tensor(),
+                n,
+            )))
         };
         let q = heads(
             &self.wq,
@@ -662,13 +667,8 @@ impl<B: ToyBackend> Attention<B> {
             v.into_primitive().tensor(),
             options,
         );
-        let out: Tensor<B, 4> = Tensor::from_primitive(TensorPrimitive::Float(out));
-        project(
-            &self.wo,
-            adapter(Target::O),
-            out.swap_dims(1, 2)
-                .reshape([b, t, self.n_head * self.head_dim]),
-        )
+        let out: Tensor<B, 3> = Tensor::from_primitive(TensorPrimitive::Float(B::merge_heads(out)));
+        project(&self.wo, adapter(Target::O), out)
     }
 
     fn rope(&self, x: Tensor<B, 4>, step: &Step<B>, model: &Transformer<B>) -> Tensor<B, 4> {
