@@ -23,6 +23,7 @@
 //!   it recomputes the logits a slice of the vocabulary at a time instead of keeping them.
 
 use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -31,6 +32,18 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
+
+/// Registers each gradient whose parent is tracked (an untracked parent is `None`).
+fn register<B: ToyBackend>(
+    grads: &mut Gradients,
+    pairs: impl IntoIterator<Item = (Option<NodeId>, Option<FloatTensor<B>>)>,
+) {
+    for (node, grad) in pairs {
+        if let (Some(id), Some(grad)) = (node, grad) {
+            grads.register::<B>(id, grad);
+        }
+    }
+}
 
 fn float<B: ToyBackend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
@@ -114,16 +127,11 @@ impl<B: ToyBackend> Backward<B, 2> for LinearBackward {
     type State = (Option<FloatTensor<B>>, FloatTensor<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_w] = ops.parents;
+        let [node_x, node_w] = ops.parents.map(|p| p.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
-        let (dx, dw) = B::dense_linear_backward(w, grad, x.filter(|_| node_w.is_some()));
-        if let Some(node) = node_x {
-            grads.register::<B>(node.id, dx);
-        }
-        if let (Some(node), Some(dw)) = (node_w, dw) {
-            grads.register::<B>(node.id, dw);
-        }
+        let (dx, dw) = B::dense_linear_backward(w, grad, x);
+        register::<B>(grads, [(node_x, Some(dx)), (node_w, dw)]);
     }
 }
 
@@ -165,16 +173,11 @@ impl<B: ToyBackend> Backward<B, 2> for RmsNormBackward {
     type State = (FloatTensor<B>, FloatTensor<B>, f32);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_w] = ops.parents;
+        let [node_x, node_w] = ops.parents.map(|p| p.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let (x, weight, eps) = ops.state;
         let (dx, dw) = B::rms_norm_backward(x, weight, eps, grad, node_w.is_some());
-        if let Some(node) = node_x {
-            grads.register::<B>(node.id, dx);
-        }
-        if let (Some(node), Some(dw)) = (node_w, dw) {
-            grads.register::<B>(node.id, dw);
-        }
+        register::<B>(grads, [(node_x, Some(dx)), (node_w, dw)]);
     }
 }
 
@@ -186,15 +189,11 @@ impl<B: ToyBackend> Backward<B, 2> for SwigluBackward {
     type State = (FloatTensor<B>, FloatTensor<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_gate, node_up] = ops.parents;
+        let [node_gate, node_up] = ops.parents.map(|p| p.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let (gate, up) = ops.state;
         let (d_gate, d_up) = B::swiglu_backward(gate, up, grad);
-        for (node, g) in [(node_gate, d_gate), (node_up, d_up)] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        register::<B>(grads, [(node_gate, Some(d_gate)), (node_up, Some(d_up))]);
     }
 }
 
@@ -226,15 +225,14 @@ impl<B: ToyBackend> Backward<B, 3> for AttentionBackward {
     );
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_q, node_k, node_v] = ops.parents;
+        let [node_q, node_k, node_v] = ops.parents.map(|p| p.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let (q, k, v, options) = ops.state;
         let (dq, dk, dv) = B::attention_backward(q, k, v, grad, options);
-        for (node, g) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        register::<B>(
+            grads,
+            [(node_q, Some(dq)), (node_k, Some(dk)), (node_v, Some(dv))],
+        );
     }
 }
 
@@ -265,18 +263,13 @@ impl<B: ToyBackend> Backward<B, 2> for LinearCrossEntropyBackward {
     type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>, FloatTensor<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_h, node_w] = ops.parents;
+        let [node_h, node_w] = ops.parents.map(|p| p.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let (h, w, targets, logsumexp) = ops.state;
         let weight_grad = node_w.is_some();
         let (dh, dw) =
             B::linear_cross_entropy_backward(h, w, targets, logsumexp, grad, weight_grad);
-        if let Some(node) = node_h {
-            grads.register::<B>(node.id, dh);
-        }
-        if let (Some(node), Some(dw)) = (node_w, dw) {
-            grads.register::<B>(node.id, dw);
-        }
+        register::<B>(grads, [(node_h, Some(dh)), (node_w, dw)]);
     }
 }
 

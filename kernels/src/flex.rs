@@ -155,22 +155,15 @@ impl ToyBackend for Flex {
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let (shape, weight_shape) = (x.shape(), weight.shape());
         let d = shape[shape.num_dims() - 1];
-        let (x, w, dy) = (
-            x.to_contiguous(),
-            weight.to_contiguous(),
-            dy.to_contiguous(),
-        );
-        let (Some(xs), Some(ws), Some(dys)) = (
-            x.as_slice::<f32>(),
-            w.as_slice::<f32>(),
-            dy.as_slice::<f32>(),
-        ) else {
-            return reference::rms_norm_backward::<Self>(x, w, eps, dy, weight_grad);
+        let (Some(xs), Some(ws), Some(dys)) =
+            (f32_elements(&x), f32_elements(&weight), f32_elements(&dy))
+        else {
+            return reference::rms_norm_backward::<Self>(x, weight, eps, dy, weight_grad);
         };
         if ws.len() != d || dys.len() != xs.len() {
-            return reference::rms_norm_backward::<Self>(x, w, eps, dy, weight_grad);
+            return reference::rms_norm_backward::<Self>(x, weight, eps, dy, weight_grad);
         }
-        let (dx, dw) = grad::rms_norm_backward(xs, ws, dys, eps, weight_grad);
+        let (dx, dw) = grad::rms_norm_backward(&xs, &ws, &dys, eps, weight_grad);
         (
             FlexTensor::from_data(TensorData::new(dx, shape)),
             dw.map(|dw| FlexTensor::from_data(TensorData::new(dw, weight_shape))),
@@ -183,18 +176,15 @@ impl ToyBackend for Flex {
         dy: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let shape = up.shape();
-        let (g, u, dy) = (gate.to_contiguous(), up.to_contiguous(), dy.to_contiguous());
-        let (Some(gs), Some(us), Some(dys)) = (
-            g.as_slice::<f32>(),
-            u.as_slice::<f32>(),
-            dy.as_slice::<f32>(),
-        ) else {
-            return reference::swiglu_backward::<Self>(g, u, dy);
+        let (Some(gs), Some(us), Some(dys)) =
+            (f32_elements(&gate), f32_elements(&up), f32_elements(&dy))
+        else {
+            return reference::swiglu_backward::<Self>(gate, up, dy);
         };
         if gs.len() != us.len() || dys.len() != us.len() {
-            return reference::swiglu_backward::<Self>(g, u, dy);
+            return reference::swiglu_backward::<Self>(gate, up, dy);
         }
-        let (d_gate, d_up) = grad::swiglu_backward(gs, us, dys);
+        let (d_gate, d_up) = grad::swiglu_backward(&gs, &us, &dys);
         (
             FlexTensor::from_data(TensorData::new(d_gate, shape.clone())),
             FlexTensor::from_data(TensorData::new(d_up, shape)),
@@ -233,14 +223,7 @@ impl ToyBackend for Flex {
         if !native {
             return reference::attention::<Self>(q, k, v, options);
         }
-        let dims = AttnDims {
-            b: qs[0],
-            h: qs[1],
-            tq: qs[2],
-            d: qs[3],
-            h_kv: ks[1],
-            tk: ks[2],
-        };
+        let dims = AttnDims::new(&qs, &ks);
         let out = attention_ggml(&qd, &kd, &vd, &dims, &options);
         FlexTensor::from_data(TensorData::new(out, qs))
     }
@@ -265,14 +248,7 @@ impl ToyBackend for Flex {
         if qs.num_dims() != 4 || dod.len() != qd.len() {
             return reference::attention_backward::<Self>(q, k, v, d_out, &options);
         }
-        let dims = AttnDims {
-            b: qs[0],
-            h: qs[1],
-            tq: qs[2],
-            d: qs[3],
-            h_kv: ks[1],
-            tk: ks[2],
-        };
+        let dims = AttnDims::new(&qs, &ks);
         let (dq, dk, dv) = grad::attention_backward(&qd, &kd, &vd, &dod, &dims, &options);
         (
             FlexTensor::from_data(TensorData::new(dq, qs)),
@@ -583,6 +559,20 @@ struct AttnDims {
     d: usize,
     h_kv: usize,
     tk: usize,
+}
+
+impl AttnDims {
+    /// From the shapes of `q[b, h, tq, d]` and `k[b, h_kv, tk, d]`.
+    fn new(q: &burn::tensor::Shape, k: &burn::tensor::Shape) -> Self {
+        AttnDims {
+            b: q[0],
+            h: q[1],
+            tq: q[2],
+            d: q[3],
+            h_kv: k[1],
+            tk: k[2],
+        }
+    }
 }
 
 /// llama.cpp's attention without flash attention, op for op: `kq = K·q` (vec_dot_f32), softmax

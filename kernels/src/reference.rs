@@ -146,16 +146,15 @@ pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32)
     // overflow past 256 (as HF's LlamaRMSNorm, which upcasts too).
     let dtype = x.dtype();
     let x32 = x.cast(FloatDType::F32);
-    let scale = x32
-        .clone()
-        .square()
-        .mean_dim(1)
-        .add_scalar(eps)
-        .sqrt()
-        .recip();
+    let scale = rms_scale(x32.clone(), eps);
     let weight = float::<B, 1>(weight).cast(FloatDType::F32);
     let y = (x32 * scale * weight.unsqueeze::<2>()).cast(dtype);
     B::float_reshape(y.into_primitive().tensor(), shape)
+}
+
+/// `1 / sqrt(mean(x²) + eps)` of each row of `x[rows, d]`: `[rows, 1]`.
+fn rms_scale<B: Backend>(x: Tensor<B, 2>, eps: f32) -> Tensor<B, 2> {
+    x.square().mean_dim(1).add_scalar(eps).sqrt().recip()
 }
 
 pub fn rms_norm_backward<B: Backend>(
@@ -173,13 +172,7 @@ pub fn rms_norm_backward<B: Backend>(
     let (dtype, weight_dtype) = (x.dtype(), weight.dtype());
     // In f32, as the forward.
     let (x, dy) = (x.cast(FloatDType::F32), dy.cast(FloatDType::F32));
-    let r = x
-        .clone()
-        .square()
-        .mean_dim(1)
-        .add_scalar(eps)
-        .sqrt()
-        .recip();
+    let r = rms_scale(x.clone(), eps);
     let w = float::<B, 1>(weight).cast(FloatDType::F32).unsqueeze::<2>();
     let g = dy.clone() * w;
     let mean_gx = (g.clone() * x.clone()).mean_dim(1);
