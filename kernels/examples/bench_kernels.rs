@@ -20,7 +20,8 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
 use toy_core::rng::SplitMix64;
-use toy_kernels::quant::pack_q8_0;
+use toy_kernels::PackedTensor;
+use toy_kernels::packed::pack;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend, reference};
 
 const REPS: usize = 10;
@@ -76,12 +77,20 @@ fn bench<B: ToyBackend>(device: B::Device) {
     let (n, k) = (1536, 576);
     let blocks = quantize(GgmlType::Q8_0, &randn(n * k, 1)).unwrap();
     let dense = dequantize_to_vec(GgmlType::Q8_0, &blocks).unwrap();
-    let p = pack_q8_0(&blocks, n, k);
+    let p = pack(GgmlType::Q8_0, &blocks, n, k).unwrap();
     let words: Tensor<B, 2, Int> = Tensor::from_data(
         TensorData::new(p.words.clone(), [n, k / 4]),
         (&device, DType::U32),
     );
-    let scales = tensor::<B, 2>(p.scales.clone(), [n, k / 32], &device);
+    let scales = tensor::<B, 2>(p.scales.clone().unwrap(), [n, k / 32], &device);
+    let packed = || PackedTensor::<B> {
+        ty: GgmlType::Q8_0,
+        cols: k,
+        words: words.clone().into_primitive(),
+        scales: Some(prim(&scales)),
+        mins: None,
+        repackable: true,
+    };
     let w = tensor::<B, 2>(dense, [n, k], &device);
     let wt = w.clone().transpose();
     for m in [1usize, 128] {
@@ -90,11 +99,11 @@ fn bench<B: ToyBackend>(device: B::Device) {
         let flops = 2.0 * (m * n * k) as f64;
         let q8_bytes = (n * k / 32 * 34) as f64;
         let toy = time::<B, _>(&device, || {
-            B::q8_0_matmul(prim(&x), words.clone().into_primitive(), prim(&scales))
+            B::packed_matmul(prim(&x), packed())
         });
         row("q8_0_matmul", &shape, "toy", toy, q8_bytes, flops);
         let refr = time::<B, _>(&device, || {
-            reference::q8_0_matmul::<B>(prim(&x), words.clone().into_primitive(), prim(&scales))
+            reference::packed_matmul::<B>(prim(&x), packed())
         });
         row("q8_0_matmul", &shape, "reference", refr, q8_bytes, flops);
         let burn = time::<B, _>(&device, || x.clone().matmul(wt.clone()));

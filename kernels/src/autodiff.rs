@@ -8,9 +8,10 @@
 //! - RMSNorm and SwiGLU: the inner backend's `rms_norm_backward` / `swiglu_backward` from the
 //!   saved inputs. burn's autodiff of their reference bodies records about ten elementwise ops
 //!   each and runs their backward one tensor-wide pass at a time.
-//! - Quantized matmuls: gradient w.r.t. `x` only (`dX = dY · dequant(W)`); the quantized base is
-//!   frozen (QLoRA). The forward rounds activations to 8-bit blocks as llama.cpp does; the
-//!   backward is that of the exact product (a straight-through estimate of the rounding).
+//! - Packed (quantized, 16-bit) matmuls: gradient w.r.t. `x` only (`dX = dY · dequant(W)`, the
+//!   inner backend's `packed_matmul_backward`); the packed base is frozen (QLoRA). The forward
+//!   rounds activations to 8-bit blocks as llama.cpp does; the backward is that of the exact
+//!   product (a straight-through estimate of the rounding).
 //! - RoPE: a rotation, so its backward is the inverse rotation — the same op with `-sin`.
 //! - Attention: recomputes the probabilities from the saved Q, K, V (the forward kept no
 //!   `T × T` matrix) chunk by chunk of query rows, so memory stays O(T), and applies the softmax
@@ -28,10 +29,11 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
-use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
+use crate::{AttentionOptions, PackedTensor, RopeLayout, ToyBackend, reference};
 
 /// Registers each gradient whose parent is tracked (an untracked parent is `None`).
 fn register<B: ToyBackend>(
@@ -53,69 +55,32 @@ fn prim<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }
 
-/// Which quantized weight format a matmul reads.
-#[derive(Debug, Clone, Copy)]
-enum QFormat {
-    Q8_0,
-    Q4_0,
-    Q4_1,
-}
-
 #[derive(Debug)]
-struct QMatmulBackward(QFormat);
+struct PackedMatmulBackward;
 
-type QWeight<B> = (IntTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
-
-impl<B: ToyBackend> Backward<B, 1> for QMatmulBackward {
-    type State = QWeight<B>;
+impl<B: ToyBackend> Backward<B, 1> for PackedMatmulBackward {
+    type State = PackedTensor<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let Some(node_x) = node_x else { return };
-        let (words, scales, mins) = ops.state;
-        let words = Tensor::from_primitive(words);
-        let w = match self.0 {
-            QFormat::Q8_0 => reference::dequant_q8_0::<B>(words, float(scales)),
-            QFormat::Q4_0 => reference::dequant_q4_0::<B>(words, float(scales)),
-            QFormat::Q4_1 => reference::dequant_q4_1::<B>(
-                words,
-                float(scales),
-                float(mins.expect("Q4_1 has mins")),
-            ),
-        };
-        let dx = float::<B, 2>(grad).matmul(w);
-        grads.register::<B>(node_x.id, prim(dx));
+        grads.register::<B>(node_x.id, B::packed_matmul_backward(grad, ops.state));
     }
 }
 
-fn qmatmul<B: ToyBackend, C: CheckpointStrategy>(
-    format: QFormat,
-    x: FloatTensor<Autodiff<B, C>>,
-    words: IntTensor<B>,
-    scales: FloatTensor<Autodiff<B, C>>,
-    mins: Option<FloatTensor<Autodiff<B, C>>>,
-) -> FloatTensor<Autodiff<B, C>> {
-    // The weight is frozen: its scales enter as constants, never as graph nodes.
-    let scales = scales.primitive;
-    let mins = mins.map(|m| m.primitive);
-    let forward =
-        |x, words: IntTensor<B>, scales: FloatTensor<B>, mins: Option<FloatTensor<B>>| match format
-        {
-            QFormat::Q8_0 => B::q8_0_matmul(x, words, scales),
-            QFormat::Q4_0 => B::q4_0_matmul(x, words, scales),
-            QFormat::Q4_1 => B::q4_1_matmul(x, words, scales, mins.expect("Q4_1 has mins")),
-        };
-    match QMatmulBackward(format)
-        .prepare::<C>([x.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => {
-            let out = forward(x.primitive, words.clone(), scales.clone(), mins.clone());
-            prep.finish((words, scales, mins), out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, words, scales, mins)),
+/// The inner backend's view of a packed weight (its scales enter as constants, never as graph
+/// nodes: a packed weight is frozen).
+fn inner_packed<B: ToyBackend, C: CheckpointStrategy>(
+    w: PackedTensor<Autodiff<B, C>>,
+) -> PackedTensor<B> {
+    PackedTensor {
+        ty: w.ty,
+        cols: w.cols,
+        words: w.words,
+        scales: w.scales.map(|t| t.primitive),
+        mins: w.mins.map(|t| t.primitive),
+        repackable: w.repackable,
     }
 }
 
@@ -274,29 +239,28 @@ impl<B: ToyBackend> Backward<B, 2> for LinearCrossEntropyBackward {
 }
 
 impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
-    fn q8_0_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        qmatmul::<B, C>(QFormat::Q8_0, x, words, scales, None)
+    fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
+        let w = inner_packed(w);
+        match PackedMatmulBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::packed_matmul(x.primitive, w.clone());
+                prep.finish(w, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::packed_matmul(x.primitive, w)),
+        }
     }
 
-    fn q4_0_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        qmatmul::<B, C>(QFormat::Q4_0, x, words, scales, None)
+    fn packed_rows(w: PackedTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        // A frozen weight's rows: a constant of the graph.
+        <Self as AutodiffBackend>::from_inner(B::packed_rows(inner_packed(w), ids))
     }
 
-    fn q4_1_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-        mins: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        qmatmul::<B, C>(QFormat::Q4_1, x, words, scales, Some(mins))
+    fn packed_dequantize(w: PackedTensor<Self>) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::packed_dequantize(inner_packed(w)))
     }
 
     fn dense_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -14,7 +14,7 @@
 //! block results are summed differs from llama.cpp's CPU code, so logits agree to float rounding
 //! and greedy tokens agree wherever llama.cpp's own decision is not a near-tie.
 
-use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous_aligned;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -22,8 +22,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use crate::quant::BLOCK;
-use crate::{AttentionOptions, RopeLayout, ToyBackend, reference};
+use crate::packed::{BLOCK, GgmlType};
+use crate::{AttentionOptions, PackedTensor, RopeLayout, ToyBackend, reference};
 
 /// Weight block formats, as comptime kernel parameters.
 const FMT_Q8_0: u32 = 0;
@@ -927,38 +927,18 @@ fn use_reference(op: &str) -> bool {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ToyBackend
     for CubeBackend<R, F, I, BT>
 {
-    fn q8_0_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
+        let fmt = match w.ty {
+            GgmlType::Q8_0 => FMT_Q8_0,
+            GgmlType::Q4_0 => FMT_Q4_0,
+            GgmlType::Q4_1 => FMT_Q4_1,
+            _ => return reference::packed_matmul::<Self>(x, w),
+        };
         if use_reference("matmul") {
-            return reference::q8_0_matmul::<Self>(x, words, scales);
+            return reference::packed_matmul::<Self>(x, w);
         }
-        qmatmul(x, words, scales, None, FMT_Q8_0)
-    }
-
-    fn q4_0_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        if use_reference("matmul") {
-            return reference::q4_0_matmul::<Self>(x, words, scales);
-        }
-        qmatmul(x, words, scales, None, FMT_Q4_0)
-    }
-
-    fn q4_1_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-        mins: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        if use_reference("matmul") {
-            return reference::q4_1_matmul::<Self>(x, words, scales, mins);
-        }
-        qmatmul(x, words, scales, Some(mins), FMT_Q4_1)
+        let scales = w.scales.expect("a split layout has scales");
+        qmatmul(x, w.words, scales, w.mins, fmt)
     }
 
     fn rope(

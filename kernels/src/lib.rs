@@ -15,7 +15,7 @@
 mod autodiff;
 pub mod cube;
 pub mod flex;
-pub mod quant;
+pub mod packed;
 pub mod reference;
 
 use burn::backend::NdArray;
@@ -24,6 +24,7 @@ use burn::backend::ndarray::{
 };
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
+pub use packed::PackedTensor;
 
 /// How RoPE pairs the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,9 +63,7 @@ pub struct AdamWStep {
 
 /// A burn backend with toy's hot ops. Default bodies are the reference implementation.
 ///
-/// Quantized weights are passed in the packed layout of [`quant`]: `words` holds the GGUF block
-/// quants as little-endian u32 words (`DType::U32`, shape `[n, k / per_word]`), `scales` the
-/// per-block scales as f32 (shape `[n, k / 32]`).
+/// Quantized and 16-bit weights are passed packed ([`PackedTensor`], layouts in [`packed`]).
 pub trait ToyBackend: Backend {
     /// Run `f`, a forward pass, where this backend's parallel ops start cheapest. The default
     /// runs it in place.
@@ -72,33 +71,31 @@ pub trait ToyBackend: Backend {
         f()
     }
 
-    /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q8_0 weight `W`.
-    fn q8_0_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        reference::q8_0_matmul::<Self>(x, words, scales)
+    /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a weight `W` kept in its GGUF block format
+    /// (any of [`packed::PACKED_TYPES`]). On the CPU this computes what llama.cpp's x86 build
+    /// computes for that type, bit for bit: the activations quantized to the 8-bit blocks the
+    /// type pairs with (Q8_0, Q8_1 or Q8_K; f16 or bf16 for 16-bit weights), exact integer block
+    /// dot products, and llama.cpp's float accumulation order.
+    fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
+        reference::packed_matmul::<Self>(x, w)
     }
 
-    /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q4_0 weight `W`.
-    fn q4_0_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        reference::q4_0_matmul::<Self>(x, words, scales)
+    /// The rows `ids[n]` of a packed weight, dequantized: `[n, cols]` (an embedding lookup that
+    /// widens only the rows it reads).
+    fn packed_rows(w: PackedTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        reference::packed_rows::<Self>(w, ids)
     }
 
-    /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a Q4_1 weight `W` (`mins[n, k/32]` are the
-    /// per-block offsets).
-    fn q4_1_matmul(
-        x: FloatTensor<Self>,
-        words: IntTensor<Self>,
-        scales: FloatTensor<Self>,
-        mins: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        reference::q4_1_matmul::<Self>(x, words, scales, mins)
+    /// `dy[m, n] · dequant(W)[n, k]`: the gradient of [`packed_matmul`](Self::packed_matmul)
+    /// with respect to its activations (a packed weight is frozen: it gets none).
+    fn packed_matmul_backward(dy: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
+        reference::packed_matmul_backward::<Self>(dy, w)
+    }
+
+    /// The whole packed weight widened to f32 `[rows, cols]`, as ggml's `dequantize_row_*`
+    /// computes it (merging adapters into a quantized base, `toy convert`).
+    fn packed_dequantize(w: PackedTensor<Self>) -> FloatTensor<Self> {
+        reference::packed_dequantize::<Self>(w).into_primitive().tensor()
     }
 
     /// A dense linear layer without bias: `y[m, n] = x[m, k] · w[n, k]ᵀ` (PyTorch's

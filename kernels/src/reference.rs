@@ -6,11 +6,11 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{
-    Bool, ElementConversion, FloatDType, IndexingUpdateOp, Int, Shape, Tensor, TensorData,
+    Bool, DType, ElementConversion, FloatDType, IndexingUpdateOp, Int, Shape, Tensor, TensorData,
     TensorMetadata, TensorPrimitive, activation,
 };
 
-use crate::quant::BLOCK;
+use crate::packed::{BLOCK, GgmlType, HostPackedView, PackedTensor, dequantize_rows};
 use crate::{AdamWStep, AttentionOptions, RopeLayout};
 
 fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
@@ -88,32 +88,73 @@ fn matmul_transposed<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> FloatTenso
     x.matmul(w.transpose()).into_primitive().tensor()
 }
 
-pub fn q8_0_matmul<B: Backend>(
-    x: FloatTensor<B>,
-    words: IntTensor<B>,
-    scales: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let w = dequant_q8_0::<B>(Tensor::from_primitive(words), float(scales));
-    matmul_transposed(float(x), w)
+/// `x · dequant(w)ᵀ`.
+pub fn packed_matmul<B: Backend>(x: FloatTensor<B>, w: PackedTensor<B>) -> FloatTensor<B> {
+    matmul_transposed(float(x), packed_dequantize::<B>(w))
 }
 
-pub fn q4_0_matmul<B: Backend>(
-    x: FloatTensor<B>,
-    words: IntTensor<B>,
-    scales: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let w = dequant_q4_0::<B>(Tensor::from_primitive(words), float(scales));
-    matmul_transposed(float(x), w)
+/// `dy · dequant(w)`.
+pub fn packed_matmul_backward<B: Backend>(dy: FloatTensor<B>, w: PackedTensor<B>) -> FloatTensor<B> {
+    let dy = float::<B, 2>(dy);
+    let w = packed_dequantize::<B>(w).cast(dy.dtype());
+    dy.matmul(w).into_primitive().tensor()
 }
 
-pub fn q4_1_matmul<B: Backend>(
-    x: FloatTensor<B>,
-    words: IntTensor<B>,
-    scales: FloatTensor<B>,
-    mins: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let w = dequant_q4_1::<B>(Tensor::from_primitive(words), float(scales), float(mins));
-    matmul_transposed(float(x), w)
+/// Rows `ids` of `w`, dequantized: the packed rows are selected first, so only they are
+/// widened.
+pub fn packed_rows<B: Backend>(w: PackedTensor<B>, ids: IntTensor<B>) -> FloatTensor<B> {
+    let ids = Tensor::<B, 1, Int>::from_primitive(ids);
+    let rows = |t: IntTensor<B>| Tensor::<B, 2, Int>::from_primitive(t).select(0, ids.clone());
+    let rows_f = |t: FloatTensor<B>| float::<B, 2>(t).select(0, ids.clone());
+    let selected = PackedTensor {
+        ty: w.ty,
+        cols: w.cols,
+        words: rows(w.words).into_primitive(),
+        scales: w.scales.map(|t| rows_f(t).into_primitive().tensor()),
+        mins: w.mins.map(|t| rows_f(t).into_primitive().tensor()),
+        repackable: w.repackable,
+    };
+    packed_dequantize::<B>(selected).into_primitive().tensor()
+}
+
+/// `w` widened to f32 `[rows, cols]`. The split layouts (Q8_0, Q4_0, Q4_1) are dequantized with
+/// tensor ops on the device; the others on the host with `toy_quant`, ggml's `dequantize_row_*`.
+pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
+    let words = Tensor::<B, 2, Int>::from_primitive(w.words);
+    let scales = || float::<B, 2>(w.scales.clone().expect("a split layout has scales"));
+    match w.ty {
+        GgmlType::Q8_0 => dequant_q8_0(words, scales()),
+        GgmlType::Q4_0 => dequant_q4_0(words, scales()),
+        GgmlType::Q4_1 => dequant_q4_1(
+            words,
+            scales(),
+            float(w.mins.clone().expect("Q4_1 has mins")),
+        ),
+        ty => {
+            let device = words.device();
+            let [rows, _] = words.dims();
+            let host = host_words(words.into_data());
+            let view = HostPackedView {
+                ty,
+                rows,
+                cols: w.cols,
+                words: &host,
+                scales: &[],
+                mins: &[],
+            };
+            let values = dequantize_rows(&view, 0..rows);
+            Tensor::from_data(TensorData::new(values, [rows, w.cols]), (&device, DType::F32))
+        }
+    }
+}
+
+/// Packed words read back from a device, whatever integer type holds their bits.
+pub fn host_words(data: TensorData) -> Vec<u32> {
+    match data.dtype {
+        DType::U32 => data.into_vec::<u32>().expect("u32 data"),
+        DType::I32 => data.iter::<i32>().map(|w| w as u32).collect(),
+        _ => data.iter::<i64>().map(|w| w as u32).collect(),
+    }
 }
 
 pub fn dense_linear<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B> {

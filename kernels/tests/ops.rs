@@ -5,8 +5,8 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
 use toy_core::rng::SplitMix64;
-use toy_kernels::quant::{PackedWeight, pack_q4_0, pack_q4_1, pack_q8_0};
-use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend, reference};
+use toy_kernels::packed::{HostPacked, pack};
+use toy_kernels::{AttentionOptions, PackedTensor, RopeLayout, ToyBackend, reference};
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
 fn randn(n: usize, seed: u64) -> Vec<f32> {
@@ -28,15 +28,28 @@ fn host<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().into_vec::<f32>().unwrap()
 }
 
-fn packed<B: ToyBackend>(p: &PackedWeight, d: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2>) {
+fn packed<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2>) {
     let per_row = p.words.len() / p.rows;
     (
         Tensor::from_data(
             TensorData::new(p.words.clone(), [p.rows, per_row]),
             (d, DType::U32),
         ),
-        float(p.scales.clone(), [p.rows, p.cols / 32], d),
+        float(p.scales.clone().unwrap(), [p.rows, p.cols / 32], d),
     )
+}
+
+/// The device form of a split-layout weight.
+fn packed_tensor<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> PackedTensor<B> {
+    let (words, scales) = packed::<B>(p, d);
+    PackedTensor {
+        ty: p.ty,
+        cols: p.cols,
+        words: words.into_primitive(),
+        scales: Some(scales.into_primitive().tensor()),
+        mins: p.mins.as_ref().map(|_| mins::<B>(p, d).into_primitive().tensor()),
+        repackable: false,
+    }
 }
 
 /// Random Q4_1 blocks: f16 scale in [0.01, 0.1), f16 min in [-0.5, 0.5), random nibbles.
@@ -54,18 +67,13 @@ fn random_q4_1(n_blocks: usize, seed: u64) -> Vec<u8> {
 
 /// A random `[n, k]` weight of type `ty` (quantized with ggml's reference quantizer where toy-core
 /// has one), packed, and its exact dequantization.
-fn weight(ty: GgmlType, n: usize, k: usize, seed: u64) -> (PackedWeight, Vec<f32>) {
+fn weight(ty: GgmlType, n: usize, k: usize, seed: u64) -> (HostPacked, Vec<f32>) {
     let blocks = match ty {
         GgmlType::Q4_1 => random_q4_1(n * k / 32, seed),
         _ => quantize(ty, &randn(n * k, seed)).unwrap(),
     };
     let dense = dequantize_to_vec(ty, &blocks).unwrap();
-    let p = match ty {
-        GgmlType::Q8_0 => pack_q8_0(&blocks, n, k),
-        GgmlType::Q4_0 => pack_q4_0(&blocks, n, k),
-        _ => pack_q4_1(&blocks, n, k),
-    };
-    (p, dense)
+    (pack(ty, &blocks, n, k).unwrap(), dense)
 }
 
 /// The reference dequantization of the packed layout is bit-identical to toy-core's GGUF
@@ -90,7 +98,7 @@ fn dequant_matches_gguf<B: ToyBackend>() {
     }
 }
 
-fn mins<B: ToyBackend>(p: &PackedWeight, d: &B::Device) -> Tensor<B, 2> {
+fn mins<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> Tensor<B, 2> {
     float(
         p.mins.clone().expect("asymmetric format"),
         [p.rows, p.cols / 32],
@@ -126,18 +134,8 @@ fn check_matmul<B: ToyBackend>(ty: GgmlType, quantizes_activations: bool) {
     ] {
         let (p, w) = weight(ty, n, k, 42 + m as u64);
         let x = randn(m * k, 7 + n as u64);
-        let (words, scales) = packed::<B>(&p, &d);
         let xt = float::<B, 2>(x.clone(), [m, k], &d);
-        let (x_, w_, s_) = (
-            xt.into_primitive().tensor(),
-            words.into_primitive(),
-            scales.into_primitive().tensor(),
-        );
-        let y = match ty {
-            GgmlType::Q8_0 => B::q8_0_matmul(x_, w_, s_),
-            GgmlType::Q4_0 => B::q4_0_matmul(x_, w_, s_),
-            _ => B::q4_1_matmul(x_, w_, s_, mins::<B>(&p, &d).into_primitive().tensor()),
-        };
+        let y = B::packed_matmul(xt.into_primitive().tensor(), packed_tensor::<B>(&p, &d));
         let got = host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)));
         let want = matmul_f64(&x, &w, m, k, n);
         for i in 0..m {
@@ -415,12 +413,10 @@ fn check_grads<B: ToyBackend>() {
     let x = randn(m * k, 4);
     let r = randn(m * n, 5);
     let xt = float::<Autodiff<B>, 2>(x.clone(), [m, k], &d).require_grad();
-    let (words, scales) = packed::<Autodiff<B>>(&p, &d);
     let y = Tensor::<Autodiff<B>, 2>::from_primitive(TensorPrimitive::Float(
-        Autodiff::<B>::q8_0_matmul(
+        Autodiff::<B>::packed_matmul(
             xt.clone().into_primitive().tensor(),
-            words.into_primitive(),
-            scales.into_primitive().tensor(),
+            packed_tensor::<Autodiff<B>>(&p, &d),
         ),
     ));
     let g = (y * float::<Autodiff<B>, 2>(r.clone(), [m, n], &d))
@@ -428,13 +424,12 @@ fn check_grads<B: ToyBackend>() {
         .backward();
     let got = host(xt.grad(&g).unwrap());
     let xr = float::<Ref, 2>(x, [m, k], &dr).require_grad();
-    let (words, scales) = packed::<Ref>(&p, &dr);
-    let y =
-        Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::q8_0_matmul::<Ref>(
-            xr.clone().into_primitive().tensor(),
-            words.into_primitive(),
-            scales.into_primitive().tensor(),
-        )));
+    let y = Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::packed_matmul::<
+        Ref,
+    >(
+        xr.clone().into_primitive().tensor(),
+        packed_tensor::<Ref>(&p, &dr),
+    )));
     let g = (y * float::<Ref, 2>(r, [m, n], &dr)).sum().backward();
     close("q8_0_matmul dX", &got, &host(xr.grad(&g).unwrap()), 1e-5);
 
@@ -812,52 +807,16 @@ mod wgpu {
             let run = |xs: Vec<f32>| -> (Vec<f32>, Vec<f32>) {
                 let on = |b: u8| -> Vec<f32> {
                     if b == 0 {
-                        let (words, scales) = packed::<Wgpu>(&p, &dw);
                         let xt = float::<Wgpu, 2>(xs.clone(), [m, k], &dw)
                             .into_primitive()
                             .tensor();
-                        let y = match ty {
-                            GgmlType::Q8_0 => Wgpu::q8_0_matmul(
-                                xt,
-                                words.into_primitive(),
-                                scales.into_primitive().tensor(),
-                            ),
-                            GgmlType::Q4_0 => Wgpu::q4_0_matmul(
-                                xt,
-                                words.into_primitive(),
-                                scales.into_primitive().tensor(),
-                            ),
-                            _ => Wgpu::q4_1_matmul(
-                                xt,
-                                words.into_primitive(),
-                                scales.into_primitive().tensor(),
-                                mins::<Wgpu>(&p, &dw).into_primitive().tensor(),
-                            ),
-                        };
+                        let y = Wgpu::packed_matmul(xt, packed_tensor::<Wgpu>(&p, &dw));
                         host(Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(y)))
                     } else {
-                        let (words, scales) = packed::<Flex>(&p, &df);
                         let xt = float::<Flex, 2>(xs.clone(), [m, k], &df)
                             .into_primitive()
                             .tensor();
-                        let y = match ty {
-                            GgmlType::Q8_0 => Flex::q8_0_matmul(
-                                xt,
-                                words.into_primitive(),
-                                scales.into_primitive().tensor(),
-                            ),
-                            GgmlType::Q4_0 => Flex::q4_0_matmul(
-                                xt,
-                                words.into_primitive(),
-                                scales.into_primitive().tensor(),
-                            ),
-                            _ => Flex::q4_1_matmul(
-                                xt,
-                                words.into_primitive(),
-                                scales.into_primitive().tensor(),
-                                mins::<Flex>(&p, &df).into_primitive().tensor(),
-                            ),
-                        };
+                        let y = Flex::packed_matmul(xt, packed_tensor::<Flex>(&p, &df));
                         host(Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(y)))
                     }
                 };

@@ -5,6 +5,7 @@
 //! [`model::load_model`] either (as a [`model::Model`]), and [`save::save`] writes a llama;
 //! [`generate::Generator`] runs prefill and decode steps with a KV cache and samples on the host.
 
+pub mod embedding;
 pub mod generate;
 pub mod gpt2;
 pub mod llama;
@@ -18,5 +19,6 @@ pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{KvCache, LlamaConfig, Transformer};
 pub use load::{LoadError, load};
 pub use model::{CausalLm, Model, load_model};
-pub use qlinear::QLinear;
+pub use embedding::TokenEmbedding;
+pub use qlinear::{PackedMatrix, QLinear};
 pub use save::{SaveError, save, save_gpt2};

@@ -9,13 +9,14 @@
 
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::nn::{Embedding, EmbeddingConfig, RmsNorm, RmsNormConfig};
+use burn::nn::{EmbeddingConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive, activation};
 use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
 use crate::lora::{BlockLora, Target, project};
+use crate::embedding::TokenEmbedding;
 use crate::qlinear::QLinear;
 
 /// The shape of a llama-family model.
@@ -231,9 +232,11 @@ impl LlamaConfig {
                 lora: None,
             })
             .collect();
-        let token_embd = EmbeddingConfig::new(self.vocab_size, self.d_model).init(device);
+        let token_embd = TokenEmbedding::Dense(
+            EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
+        );
         let output = if self.tied_embeddings {
-            QLinear::Dense(Param::from_tensor(token_embd.weight.val()))
+            token_embd.tied_head()
         } else {
             dense(self.vocab_size, self.d_model)
         };
@@ -257,7 +260,7 @@ impl LlamaConfig {
     /// Put loaded or initialized parts together.
     pub fn assemble<B: ToyBackend>(
         &self,
-        token_embd: Embedding<B>,
+        token_embd: TokenEmbedding<B>,
         blocks: Vec<Block<B>>,
         output_norm: RmsNorm<B>,
         output: QLinear<B>,
@@ -280,7 +283,7 @@ impl LlamaConfig {
 /// The whole model.
 #[derive(Module, Debug)]
 pub struct Transformer<B: Backend> {
-    pub token_embd: Embedding<B>,
+    pub token_embd: TokenEmbedding<B>,
     pub blocks: Vec<Block<B>>,
     pub output_norm: RmsNorm<B>,
     pub output: QLinear<B>,

@@ -4,11 +4,12 @@ use burn::module::Param;
 use burn::nn::{Embedding, RmsNorm, RmsNormConfig};
 use burn::tensor::{Tensor, TensorData};
 use toy_core::config::{ConfigError, FfnKind, ModelConfig, NormKind, QkNorm};
-use toy_core::gguf::{GgmlType, GgufError, GgufFile, TensorInfo, tensor_to_f32};
+use toy_core::gguf::{GgufError, GgufFile, TensorInfo, tensor_to_f32};
 use toy_core::rope::RopeAngles;
 use toy_kernels::ToyBackend;
-use toy_kernels::quant::{pack_q4_0, pack_q4_1, pack_q8_0};
+use toy_kernels::packed::{PACKED_TYPES, PackError, pack};
 
+use crate::embedding::TokenEmbedding;
 use crate::llama::{Attention, Block, Ffn, LlamaConfig, Mlp, Moe, Transformer};
 use crate::qlinear::{PackedMatrix, QLinear};
 
@@ -24,6 +25,8 @@ pub enum LoadError {
         "{0} is not a llama-family architecture and this runs llama-family models only ({0} runs in `toy infer`; in Rust, load it with toy_models::load_model)"
     )]
     NotLlama(String),
+    #[error("tensor {name:?}: {source}")]
+    Pack { name: String, source: PackError },
     #[error("tensor {name:?} has shape {found:?} (ggml order), expected {expected:?}")]
     ShapeMismatch {
         name: String,
@@ -51,12 +54,9 @@ pub fn load<B: ToyBackend>(
     };
 
     let (qdim, kvdim) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-    let embd_info = tensor(file, "token_embd.weight", &[c.d_model, c.vocab_size])?;
-    let token_embd = Embedding {
-        weight: Param::from_tensor(dense_tensor(file, embd_info, device)?),
-    };
+    let token_embd = embedding(file, c.d_model, c.vocab_size, device)?;
     let output = match c.tied_embeddings {
-        true => linear(file, "token_embd.weight", c.d_model, c.vocab_size, device)?,
+        true => token_embd.tied_head(),
         false => linear(file, "output.weight", c.d_model, c.vocab_size, device)?,
     };
     tick();
@@ -203,35 +203,57 @@ fn experts<B: ToyBackend>(
     let info = tensor(file, name, &[inp, out, n_expert])?;
     let data = file.tensor_data(info);
     let per_expert = data.len() / n_expert;
-    let packed = |pack: fn(&[u8], usize, usize) -> _, e: usize| {
-        PackedMatrix::from_host(
-            pack(&data[e * per_expert..(e + 1) * per_expert], out, inp),
-            device,
-        )
-    };
-    Ok(match info.ggml_type {
-        GgmlType::Q8_0 => (0..n_expert)
-            .map(|e| QLinear::Q8_0(packed(pack_q8_0, e)))
-            .collect(),
-        GgmlType::Q4_0 => (0..n_expert)
-            .map(|e| QLinear::Q4_0(packed(pack_q4_0, e)))
-            .collect(),
-        GgmlType::Q4_1 => (0..n_expert)
-            .map(|e| QLinear::Q4_1(packed(pack_q4_1, e)))
-            .collect(),
-        _ => {
-            let values = tensor_to_f32(file, info)?;
-            values
-                .chunks(out * inp)
-                .map(|m| {
-                    QLinear::Dense(Param::from_tensor(Tensor::from_data(
-                        TensorData::new(m.to_vec(), [out, inp]),
-                        device,
-                    )))
-                })
-                .collect()
-        }
-    })
+    if PACKED_TYPES.contains(&info.ggml_type) {
+        return (0..n_expert)
+            .map(|e| {
+                let bytes = &data[e * per_expert..(e + 1) * per_expert];
+                packed(info, bytes, out, inp, true, device).map(QLinear::Packed)
+            })
+            .collect();
+    }
+    let values = tensor_to_f32(file, info)?;
+    Ok(values
+        .chunks(out * inp)
+        .map(|m| {
+            QLinear::Dense(Param::from_tensor(Tensor::from_data(
+                TensorData::new(m.to_vec(), [out, inp]),
+                device,
+            )))
+        })
+        .collect())
+}
+
+/// A weight's GGUF bytes (`rows × cols` values of `info`'s type) packed onto the device.
+fn packed<B: ToyBackend>(
+    info: &TensorInfo,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    repackable: bool,
+    device: &B::Device,
+) -> Result<PackedMatrix<B>, LoadError> {
+    let host = pack(info.ggml_type, bytes, rows, cols).map_err(|source| LoadError::Pack {
+        name: info.name.clone(),
+        source,
+    })?;
+    Ok(PackedMatrix::from_host(host, repackable, device))
+}
+
+/// The token embedding table `[vocab, d]`: packed when its type is, else f32.
+fn embedding<B: ToyBackend>(
+    file: &GgufFile,
+    d: usize,
+    vocab: usize,
+    device: &B::Device,
+) -> Result<TokenEmbedding<B>, LoadError> {
+    let info = tensor(file, "token_embd.weight", &[d, vocab])?;
+    if PACKED_TYPES.contains(&info.ggml_type) {
+        let p = packed(info, file.tensor_data(info), vocab, d, false, device)?;
+        return Ok(TokenEmbedding::Packed(p));
+    }
+    Ok(TokenEmbedding::Dense(Embedding {
+        weight: Param::from_tensor(dense_tensor(file, info, device)?),
+    }))
 }
 
 /// Look up a tensor and check its ggml dims (`[in, out]` for a matrix).
@@ -296,7 +318,7 @@ fn bias<B: ToyBackend>(
     Ok(Some(Param::from_tensor(dense_tensor(file, info, device)?)))
 }
 
-/// A weight `[in, out]` (ggml order) as a `QLinear`: Q8_0/Q4_0/Q4_1 stay packed, the rest is f32.
+/// A weight `[in, out]` (ggml order) as a `QLinear`: packed types stay packed, the rest is f32.
 pub(crate) fn linear<B: ToyBackend>(
     file: &GgufFile,
     name: &str,
@@ -305,19 +327,15 @@ pub(crate) fn linear<B: ToyBackend>(
     device: &B::Device,
 ) -> Result<QLinear<B>, LoadError> {
     let info = tensor(file, name, &[inp, out])?;
-    Ok(match info.ggml_type {
-        GgmlType::Q8_0 => QLinear::Q8_0(PackedMatrix::from_host(
-            pack_q8_0(file.tensor_data(info), out, inp),
+    if PACKED_TYPES.contains(&info.ggml_type) {
+        return Ok(QLinear::Packed(packed(
+            info,
+            file.tensor_data(info),
+            out,
+            inp,
+            true,
             device,
-        )),
-        GgmlType::Q4_0 => QLinear::Q4_0(PackedMatrix::from_host(
-            pack_q4_0(file.tensor_data(info), out, inp),
-            device,
-        )),
-        GgmlType::Q4_1 => QLinear::Q4_1(PackedMatrix::from_host(
-            pack_q4_1(file.tensor_data(info), out, inp),
-            device,
-        )),
-        _ => QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?)),
-    })
+        )?));
+    }
+    Ok(QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?)))
 }

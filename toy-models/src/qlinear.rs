@@ -1,35 +1,44 @@
-//! `QLinear`: a bias-free linear layer whose weight may stay quantized on the device.
+//! `QLinear`: a bias-free linear layer whose weight may stay packed on the device.
 //!
-//! The model code calls `forward` and never sees the weight format: Q8_0, Q4_0 and Q4_1 weights
-//! stay packed (see `toy_kernels::quant`) and go through the backend's quantized matmul — which
-//! on the CPU computes them the way llama.cpp does; every other GGUF type is dequantized to f32
-//! at load.
+//! The model code calls `forward` and never sees the weight format: every type of
+//! `toy_kernels::packed::PACKED_TYPES` (the K-quants, Q4/Q5/Q8 blocks, IQ4, F16, BF16) stays in
+//! its GGUF block format and goes through the backend's packed matmul — which on the CPU
+//! computes it the way llama.cpp does. F32 weights (and anything trainable) are `Dense`.
 
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
-use toy_kernels::quant::PackedWeight;
-use toy_kernels::{ToyBackend, reference};
+use toy_kernels::packed::{GgmlType, HostPacked, PackedTensor};
+use toy_kernels::ToyBackend;
 
-/// A quantized weight in the packed layout: `words[n, k / per_word]` (u32), `scales[n, k / 32]`
-/// and, for asymmetric formats, `mins[n, k / 32]`.
+/// A weight `[rows, cols]` in its GGUF block format (layouts: `toy_kernels::packed`).
 #[derive(Module, Debug)]
 pub struct PackedMatrix<B: Backend> {
+    /// `[rows, row_words]` u32 words.
     pub words: Param<Tensor<B, 2, Int>>,
-    pub scales: Param<Tensor<B, 2>>,
+    /// Q8_0 / Q4_0 / Q4_1: f32 block scales `[rows, cols / 32]`.
+    pub scales: Option<Param<Tensor<B, 2>>>,
+    /// Q4_1: f32 block offsets `[rows, cols / 32]`.
     pub mins: Option<Param<Tensor<B, 2>>>,
+    /// The GGUF type of the blocks.
+    pub ty: GgmlType,
+    /// Values per row.
+    pub cols: usize,
+    /// See `PackedTensor::repackable`: false for a token embedding table.
+    pub repackable: bool,
 }
 
 impl<B: Backend> PackedMatrix<B> {
-    pub fn from_host(packed: PackedWeight, device: &B::Device) -> Self {
+    /// Upload a packed weight. `repackable`: whether it is a matmul weight llama.cpp would
+    /// repack (true) or a token embedding table (false).
+    pub fn from_host(packed: HostPacked, repackable: bool, device: &B::Device) -> Self {
         let per_row = packed.words.len() / packed.rows;
         let words = Tensor::from_data(
             TensorData::new(packed.words, [packed.rows, per_row]),
             (device, DType::U32),
         );
         let blocks = [packed.rows, packed.cols / 32];
-        // Quantized bases are frozen: no gradient, no optimizer state. The scales stay f32
+        // Packed weights are frozen: no gradient, no optimizer state. The scales stay f32
         // whatever the activation type (`--dtype f16`): the kernels read them as f32.
         let frozen = |v: Vec<f32>| {
             Param::from_tensor(Tensor::from_data(
@@ -40,25 +49,55 @@ impl<B: Backend> PackedMatrix<B> {
         };
         PackedMatrix {
             words: Param::initialized(ParamId::new(), words),
-            scales: frozen(packed.scales),
+            scales: packed.scales.map(frozen),
             mins: packed.mins.map(frozen),
+            ty: packed.ty,
+            cols: packed.cols,
+            repackable,
         }
+    }
+
+    /// `[rows, cols]`.
+    pub fn dims(&self) -> [usize; 2] {
+        [self.words.dims()[0], self.cols]
+    }
+
+    /// The same weight as a token embedding table (llama.cpp keeps those unrepacked) or as a
+    /// matmul weight.
+    pub fn with_repackable(mut self, repackable: bool) -> Self {
+        self.repackable = repackable;
+        self
     }
 }
 
 impl<B: ToyBackend> PackedMatrix<B> {
-    /// `x · dequant(self)ᵀ` through one of the backend's quantized matmuls.
-    fn matmul(
-        &self,
-        x: Tensor<B, 2>,
-        op: impl FnOnce(FloatTensor<B>, IntTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
-    ) -> Tensor<B, 2> {
-        let y = op(
-            x.into_primitive().tensor(),
-            self.words.val().into_primitive(),
-            self.scales.val().into_primitive().tensor(),
-        );
+    /// The backend's view of the weight.
+    pub fn tensor(&self) -> PackedTensor<B> {
+        PackedTensor {
+            ty: self.ty,
+            cols: self.cols,
+            words: self.words.val().into_primitive(),
+            scales: self.scales.as_ref().map(|s| s.val().into_primitive().tensor()),
+            mins: self.mins.as_ref().map(|m| m.val().into_primitive().tensor()),
+            repackable: self.repackable,
+        }
+    }
+
+    /// `x · dequant(self)ᵀ`.
+    pub fn matmul(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let y = B::packed_matmul(x.into_primitive().tensor(), self.tensor());
         Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
+    /// Rows `ids` dequantized: `[ids.len(), cols]` (an embedding lookup).
+    pub fn rows(&self, ids: Tensor<B, 1, Int>) -> Tensor<B, 2> {
+        let y = B::packed_rows(self.tensor(), ids.into_primitive());
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
+    /// The whole weight widened to f32, as llama.cpp and gguf-py dequantize it (exact).
+    pub fn dequantized(&self) -> Tensor<B, 2> {
+        Tensor::from_primitive(TensorPrimitive::Float(B::packed_dequantize(self.tensor())))
     }
 }
 
@@ -66,9 +105,8 @@ impl<B: ToyBackend> PackedMatrix<B> {
 pub enum QLinear<B: Backend> {
     /// A float weight `[out, in]` (PyTorch layout).
     Dense(Param<Tensor<B, 2>>),
-    Q8_0(PackedMatrix<B>),
-    Q4_0(PackedMatrix<B>),
-    Q4_1(PackedMatrix<B>),
+    /// A weight kept in its GGUF block format.
+    Packed(PackedMatrix<B>),
 }
 
 impl<B: Backend> QLinear<B> {
@@ -76,29 +114,27 @@ impl<B: Backend> QLinear<B> {
     pub fn dims(&self) -> [usize; 2] {
         match self {
             QLinear::Dense(w) => w.dims(),
-            QLinear::Q8_0(p) | QLinear::Q4_0(p) | QLinear::Q4_1(p) => {
-                let [out, blocks] = p.scales.dims();
-                [out, blocks * 32]
-            }
+            QLinear::Packed(p) => p.dims(),
         }
     }
 
+    /// The GGUF type of a packed weight; `None` for a dense one.
+    pub fn packed_type(&self) -> Option<GgmlType> {
+        match self {
+            QLinear::Dense(_) => None,
+            QLinear::Packed(p) => Some(p.ty),
+        }
+    }
+}
+
+impl<B: ToyBackend> QLinear<B> {
     /// The same layer with an f32 weight (`Dense`): a packed weight is dequantized as llama.cpp
-    /// and gguf-py do (`d·q`, `d·q + m`, exact in f32); a dense one is returned as it is.
+    /// and gguf-py do (exact in f32); a dense one is returned as it is.
     pub fn dequantized(&self) -> QLinear<B> {
-        let w = match self {
-            QLinear::Dense(_) => return self.clone(),
-            QLinear::Q8_0(p) => reference::dequant_q8_0(p.words.val(), p.scales.val()),
-            QLinear::Q4_0(p) => reference::dequant_q4_0(p.words.val(), p.scales.val()),
-            QLinear::Q4_1(p) => {
-                let mins = p
-                    .mins
-                    .as_ref()
-                    .expect("PackedMatrix::from_host keeps Q4_1's mins");
-                reference::dequant_q4_1(p.words.val(), p.scales.val(), mins.val())
-            }
-        };
-        QLinear::Dense(Param::from_tensor(w.detach()))
+        match self {
+            QLinear::Dense(_) => self.clone(),
+            QLinear::Packed(p) => QLinear::Dense(Param::from_tensor(p.dequantized().detach())),
+        }
     }
 }
 
@@ -110,16 +146,7 @@ impl<B: ToyBackend> QLinear<B> {
         let x2: Tensor<B, 2> = x.reshape([-1, k as i32]);
         let y = match self {
             QLinear::Dense(w) => dense_linear(x2, w.val()),
-            QLinear::Q8_0(p) => p.matmul(x2, B::q8_0_matmul),
-            QLinear::Q4_0(p) => p.matmul(x2, B::q4_0_matmul),
-            QLinear::Q4_1(p) => {
-                let mins = p
-                    .mins
-                    .as_ref()
-                    .expect("PackedMatrix::from_host keeps Q4_1's mins");
-                let mins = mins.val().into_primitive().tensor();
-                p.matmul(x2, |x, w, s| B::q4_1_matmul(x, w, s, mins))
-            }
+            QLinear::Packed(p) => p.matmul(x2),
         };
         let mut out = dims;
         out[D - 1] = y.dims()[1];
@@ -161,8 +188,8 @@ pub fn cross_entropy<B: ToyBackend>(
 mod tests {
     use burn::backend::Flex;
     use burn::tensor::f16;
-    use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
-    use toy_kernels::quant::{pack_q4_0, pack_q4_1, pack_q8_0};
+    use toy_core::gguf::{dequantize_to_vec, quantize};
+    use toy_kernels::packed::pack;
 
     use super::*;
 
@@ -189,12 +216,8 @@ mod tests {
         ];
         let device = Default::default();
         for (ty, blocks) in cases {
-            let packed = |p| PackedMatrix::<Flex>::from_host(p, &device);
-            let layer = match ty {
-                GgmlType::Q8_0 => QLinear::Q8_0(packed(pack_q8_0(&blocks, n, k))),
-                GgmlType::Q4_0 => QLinear::Q4_0(packed(pack_q4_0(&blocks, n, k))),
-                _ => QLinear::Q4_1(packed(pack_q4_1(&blocks, n, k))),
-            };
+            let packed = pack(ty, &blocks, n, k).unwrap();
+            let layer = QLinear::Packed(PackedMatrix::<Flex>::from_host(packed, true, &device));
             assert_eq!(layer.dims(), [n, k]);
             let QLinear::Dense(w) = layer.dequantized() else {
                 panic!("{ty:?}: not dense");

@@ -14,20 +14,20 @@ use std::path::Path;
 use burn::module::Param;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use toy_kernels::ToyBackend;
 use toy_core::gguf::{GgmlType, GgufError, GgufWriter, Value};
 
 use crate::gpt2::{Gpt2, Gpt2Config, LayerNorm, Linear};
+use crate::embedding::TokenEmbedding;
 use crate::llama::{Ffn, LlamaConfig, Transformer};
-use crate::qlinear::QLinear;
+use crate::qlinear::{PackedMatrix, QLinear};
+use toy_kernels::packed::{HostPackedView, gguf_row};
+use toy_kernels::reference::host_words;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error(
-        "tensor {name} is {format}: only float weights can be saved (train or load an F32/F16 model, or use `toy convert` to change the type of a file)"
-    )]
-    Quantized { name: String, format: &'static str },
     #[error("tensor {name} has shape {found:?}, but the config says {expected:?}")]
     Shape {
         name: String,
@@ -50,7 +50,7 @@ pub enum SaveError {
 ///
 /// `extra` may not set `general.architecture` or `llama.*` keys: those describe the tensors and
 /// come from `config` only.
-pub fn to_gguf<B: Backend>(
+pub fn to_gguf<B: ToyBackend>(
     model: &Transformer<B>,
     config: &LlamaConfig,
     extra: &[(String, Value)],
@@ -114,12 +114,7 @@ pub fn to_gguf<B: Backend>(
     end_metadata(&mut w, extra)?;
 
     let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-    add(
-        &mut w,
-        "token_embd.weight",
-        &model.token_embd.weight,
-        &[c.vocab_size, d],
-    )?;
+    add_embedding(&mut w, &model.token_embd, &[c.vocab_size, d])?;
     add(&mut w, "output_norm.weight", &model.output_norm.gamma, &[d])?;
     if !c.tied_embeddings {
         add_linear(&mut w, "output.weight", &model.output, &[c.vocab_size, d])?;
@@ -145,7 +140,7 @@ pub fn to_gguf<B: Backend>(
 /// Write `model` to `path` atomically (a temporary file in the same directory, flushed, then
 /// renamed): a reader, or a run killed mid-write, never sees a partial file. Returns the bytes
 /// written. See [`to_gguf`] for `extra`.
-pub fn save<B: Backend>(
+pub fn save<B: ToyBackend>(
     model: &Transformer<B>,
     config: &LlamaConfig,
     extra: &[(String, Value)],
@@ -160,7 +155,7 @@ pub fn save<B: Backend>(
 /// linear biases). The output head is written as `output.weight` (llama.cpp's gpt2 loader takes
 /// it when present and falls back to `token_embd` otherwise), so a model whose head was trained
 /// apart from its embedding keeps it.
-pub fn to_gguf_gpt2<B: Backend>(
+pub fn to_gguf_gpt2<B: ToyBackend>(
     model: &Gpt2<B>,
     config: &Gpt2Config,
     extra: &[(String, Value)],
@@ -222,7 +217,7 @@ pub fn to_gguf_gpt2<B: Backend>(
 }
 
 /// Write a GPT-2 model to `path` atomically (see [`save`] and [`to_gguf_gpt2`]).
-pub fn save_gpt2<B: Backend>(
+pub fn save_gpt2<B: ToyBackend>(
     model: &Gpt2<B>,
     config: &Gpt2Config,
     extra: &[(String, Value)],
@@ -269,24 +264,69 @@ fn rope_dim(c: &LlamaConfig) -> usize {
     }
 }
 
-fn add_linear<B: Backend>(
+fn add_linear<B: ToyBackend>(
     w: &mut GgufWriter<'static>,
     name: &str,
     linear: &QLinear<B>,
     shape: &[usize; 2],
 ) -> Result<(), SaveError> {
-    let quantized = |format| {
-        Err(SaveError::Quantized {
-            name: name.to_string(),
-            format,
-        })
-    };
     match linear {
         QLinear::Dense(p) => add(w, name, p, shape),
-        QLinear::Q8_0(_) => quantized("Q8_0"),
-        QLinear::Q4_0(_) => quantized("Q4_0"),
-        QLinear::Q4_1(_) => quantized("Q4_1"),
+        QLinear::Packed(p) => add_packed(w, name, p, shape),
     }
+}
+
+/// Add a token embedding table `[vocab, d]` in the form it has.
+fn add_embedding<B: ToyBackend>(
+    w: &mut GgufWriter<'static>,
+    embd: &TokenEmbedding<B>,
+    shape: &[usize; 2],
+) -> Result<(), SaveError> {
+    match embd {
+        TokenEmbedding::Dense(e) => add(w, "token_embd.weight", &e.weight, shape),
+        TokenEmbedding::Packed(p) => add_packed(w, "token_embd.weight", p, shape),
+    }
+}
+
+/// Add a packed weight of PyTorch shape `shape` as it is: its GGUF type and blocks, unchanged.
+fn add_packed<B: ToyBackend>(
+    w: &mut GgufWriter<'static>,
+    name: &str,
+    p: &PackedMatrix<B>,
+    shape: &[usize; 2],
+) -> Result<(), SaveError> {
+    let found = p.dims().to_vec();
+    if found != shape {
+        return Err(SaveError::Shape {
+            name: name.to_string(),
+            expected: shape.to_vec(),
+            found,
+        });
+    }
+    let readback = |reason: String| SaveError::Readback {
+        name: name.to_string(),
+        reason,
+    };
+    let words = host_words(p.words.val().into_data());
+    let f32s = |t: &Option<burn::module::Param<Tensor<B, 2>>>| {
+        t.as_ref()
+            .map(|t| t.val().into_data().convert::<f32>().into_vec::<f32>())
+            .transpose()
+            .map_err(|e| readback(format!("{e:?}")))
+    };
+    let (scales, mins) = (f32s(&p.scales)?.unwrap_or_default(), f32s(&p.mins)?.unwrap_or_default());
+    let view = HostPackedView {
+        ty: p.ty,
+        rows: shape[0],
+        cols: shape[1],
+        words: &words,
+        scales: &scales,
+        mins: &mins,
+    };
+    let bytes: Vec<u8> = (0..shape[0]).flat_map(|r| gguf_row(&view, r)).collect();
+    let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+    w.add_tensor(name, &dims, p.ty, bytes)?;
+    Ok(())
 }
 
 /// Add a float tensor of PyTorch shape `shape` as F32 with ggml dims (the shape reversed).

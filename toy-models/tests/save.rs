@@ -87,7 +87,7 @@ fn save_then_load_gives_identical_logits_tied_and_wide_heads() {
     // A tied model computes its output with token_embd: make the output head that copy.
     let model = Transformer {
         output: toy_models::QLinear::Dense(burn::module::Param::from_tensor(
-            model.token_embd.weight.val(),
+            model.token_embd.weight(),
         )),
         ..model
     };

@@ -24,19 +24,18 @@ pub fn init_model<B: ToyBackend>(
     seed: u64,
     device: &B::Device,
 ) -> Transformer<B> {
-    let model = config.init::<B>(device).map(&mut SeededInit {
+    let mut model = config.init::<B>(device).map(&mut SeededInit {
         seed,
         index: 0,
         device: device.clone(),
     });
-    let (id, weight, mapper) = model.token_embd.weight.consume();
-    let weight = draw(&weight, 1.0, seed, 0, device);
-    Transformer {
-        token_embd: burn::nn::Embedding {
-            weight: Param::from_mapped_value(id, weight, mapper),
-        },
-        ..model
+    // `init` makes a dense table; the embeddings are input vectors: unit scale.
+    if let Some(embd) = model.token_embd.dense_mut() {
+        let (id, weight, mapper) = embd.weight.clone().consume();
+        let weight = draw(&weight, 1.0, seed, 0, device);
+        embd.weight = Param::from_mapped_value(id, weight, mapper);
     }
+    model
 }
 
 /// A GPT-2 of shape `config` with weights drawn from `seed` (see the module docs).
@@ -140,7 +139,7 @@ mod tests {
         Flex::seed(&device, 2);
         let b = init_model::<Flex>(&config, 9, &device);
         let c = init_model::<Flex>(&config, 10, &device);
-        let w = |m: &Transformer<Flex>| m.token_embd.weight.val().into_data();
+        let w = |m: &Transformer<Flex>| m.token_embd.weight().into_data();
         assert_eq!(w(&a), w(&b));
         assert_ne!(w(&a), w(&c));
     }

@@ -48,7 +48,7 @@ impl ModelSpec {
 
     /// Write `model` as a standard GGUF of its architecture (atomically); `extra` is the
     /// metadata besides the model's own keys (name, tokenizer).
-    pub fn save<B: Backend>(
+    pub fn save<B: ToyBackend>(
         &self,
         model: &Model<B>,
         extra: &[(String, Value)],
@@ -66,17 +66,24 @@ impl ModelSpec {
     }
 }
 
-/// The token embedding table of `model`.
-pub fn token_embd<B: Backend>(model: &Model<B>) -> &Embedding<B> {
+/// The token embedding table of `model`, when it is dense (trainable).
+pub fn token_embd<B: Backend>(model: &Model<B>) -> Option<&Embedding<B>> {
     match model {
-        Model::Llama(m) => &m.token_embd,
-        Model::Gpt2(m) => &m.token_embd,
+        Model::Llama(m) => m.token_embd.dense(),
+        Model::Gpt2(m) => Some(&m.token_embd),
     }
 }
 
-fn token_embd_mut<B: Backend>(model: &mut Model<B>) -> &mut Embedding<B> {
+/// The token embedding table of `model`, dense (a packed table is widened to f32 first, as a
+/// trained table must be).
+fn token_embd_mut<B: ToyBackend>(model: &mut Model<B>) -> &mut Embedding<B> {
     match model {
-        Model::Llama(m) => &mut m.token_embd,
+        Model::Llama(m) => {
+            if m.token_embd.dense().is_none() {
+                m.token_embd = m.token_embd.dequantized();
+            }
+            m.token_embd.dense_mut().expect("made dense above")
+        }
         Model::Gpt2(m) => &mut m.token_embd,
     }
 }

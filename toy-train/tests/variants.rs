@@ -305,7 +305,7 @@ fn warm_start_from_smollm2_folds_the_projection_into_token_embd() {
         panic!("a llama")
     };
     assert!(file.tensors.iter().all(|t| !t.name.contains("proj")));
-    let saved: Vec<f32> = model.token_embd.weight.val().into_data().to_vec().unwrap();
+    let saved: Vec<f32> = model.token_embd.weight().into_data().to_vec().unwrap();
     let p: Vec<f32> = p.into_data().to_vec().unwrap();
     let mut worst = 0f64;
     for (row, out) in table.values.chunks_exact(576).zip(saved.chunks_exact(32)) {
@@ -349,6 +349,7 @@ fn warm_start_at_the_donor_width_copies_the_embeddings() {
     let t: Trainee<Flex> = init_trainee(&setup.model_spec(), 1, Some(table), &device).unwrap();
     assert!(t.embd_proj.is_none());
     let embd: Vec<f32> = toy_train::model::token_embd(&t.model)
+        .unwrap()
         .weight
         .val()
         .into_data()

@@ -19,7 +19,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::Format;
-use crate::quant::BLOCK;
+use crate::packed::BLOCK;
 
 /// Can this CPU run this module's kernels?
 pub(super) fn available() -> bool {

@@ -4,7 +4,6 @@
 
 mod convert;
 mod dequant;
-mod quant;
 mod read;
 mod types;
 mod write;
@@ -12,10 +11,13 @@ mod write;
 use std::path::PathBuf;
 
 pub use convert::{convert, file_type};
-pub use dequant::{DEQUANT_TYPES, dequantize, dequantize_to_vec, tensor_to_f32};
-pub use quant::{QUANT_TYPES, quantize, quantize_q4_0, quantize_q8_0};
+pub use dequant::tensor_to_f32;
 pub use read::{DEFAULT_ALIGNMENT, GgufFile, MAGIC, MAX_DIMS, MAX_NAME_LEN, TensorInfo};
-pub use types::{GgmlType, Value, ValueType};
+pub use toy_quant::{
+    DEQUANT_TYPES, GgmlType, QUANT_TYPES, QuantError, dequantize, dequantize_to_vec, quantize,
+    quantize_q4_0, quantize_q8_0,
+};
+pub use types::{Value, ValueType};
 pub use write::{GgufWriter, WRITE_VERSION};
 
 /// Everything that can be wrong with a GGUF file. Messages name the problem and, where it helps,
@@ -54,7 +56,7 @@ pub enum GgufError {
     #[error("corrupt GGUF file: metadata key {0:?} appears twice")]
     DuplicateKey(String),
     #[error(
-        "tensor {name:?} has ggml type id {type_id}, which toy does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K, integer types)"
+        "tensor {name:?} has ggml type id {type_id}, which toy does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K, IQ4_NL, IQ4_XS, integer types)"
     )]
     UnsupportedTensorType { name: String, type_id: u32 },
     #[error("bad tensor {name:?}: {reason}")]
@@ -80,6 +82,15 @@ pub enum GgufError {
     /// metadata value GGUF cannot store, …): a bug in the caller, not a bad file.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+impl From<QuantError> for GgufError {
+    fn from(e: QuantError) -> Self {
+        match e {
+            QuantError::Unsupported(m) => GgufError::Unsupported(m),
+            QuantError::InvalidArgument(m) => GgufError::InvalidArgument(m),
+        }
+    }
 }
 
 pub type Result<T, E = GgufError> = std::result::Result<T, E>;

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::types::{GgmlType, Value, ValueType};
+use super::GgmlType;
+use super::types::{Value, ValueType};
 use super::{GgufError, Result};
 
 /// GGUF magic, the bytes "GGUF".

@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::read::{MAX_ARRAY_DEPTH, check_tensor_shape};
-use super::types::{GgmlType, Value, ValueType};
+use super::GgmlType;
+use super::types::{Value, ValueType};
 use super::{DEFAULT_ALIGNMENT, GgufError, GgufFile, MAGIC, MAX_NAME_LEN, Result, TensorInfo};
 
 /// The GGUF version this writer produces.

@@ -5,8 +5,8 @@
 
 use half::f16;
 
-use super::types::GgmlType;
-use super::{GgufError, Result};
+use crate::types::GgmlType;
+use crate::{QuantError, Result};
 
 /// The types [`quantize`] produces.
 pub const QUANT_TYPES: [GgmlType; 5] = [
@@ -35,7 +35,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>> {
         GgmlType::Q4_0 => quantize_q4_0(values),
         _ => {
             let names: Vec<&str> = QUANT_TYPES.iter().map(|t| t.name()).collect();
-            Err(GgufError::Unsupported(format!(
+            Err(QuantError::Unsupported(format!(
                 "quantizing to {ty} is not supported (toy quantizes to {})",
                 names.join(", ")
             )))
@@ -92,7 +92,7 @@ pub fn quantize_q4_0(values: &[f32]) -> Result<Vec<u8>> {
 
 /// ggml's `ggml_compute_fp32_to_bf16`: NaN is made quiet (keeping sign and top payload bits),
 /// everything else rounds to nearest, ties to even (overflowing to infinity).
-fn f32_to_bf16(v: f32) -> u16 {
+pub fn f32_to_bf16(v: f32) -> u16 {
     let u = v.to_bits();
     if u & 0x7FFF_FFFF > 0x7F80_0000 {
         return ((u >> 16) | 64) as u16;
@@ -104,7 +104,7 @@ fn f32_to_bf16(v: f32) -> u16 {
 fn whole_blocks(ty: GgmlType, values: &[f32]) -> Result<&[[f32; 32]]> {
     let (blocks, rest) = values.as_chunks::<32>();
     if !rest.is_empty() {
-        return Err(GgufError::InvalidArgument(format!(
+        return Err(QuantError::InvalidArgument(format!(
             "{} values cannot be quantized to {ty}: the count must be a multiple of its block \
              size {}",
             values.len(),

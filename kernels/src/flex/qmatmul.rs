@@ -1,0 +1,469 @@
+//! Quantized matmuls on Q8_0 / Q4_0 / Q4_1 weights (the split layout of `crate::packed`), as
+//! ggml's x86 CPU backend computes them.
+
+use rayon::prelude::*;
+
+use super::*;
+use crate::packed::{GgmlType, row_words};
+
+/// An activation row quantized to 8-bit blocks (ggml's Q8_0 / Q8_1).
+pub(super) struct QuantRow {
+    pub(super) quants: Vec<i8>,
+    pub(super) scales: Vec<f32>,
+    /// Q8_1's `f16(d * Σq)` per block: what Q4_1's offsets multiply.
+    pub(super) sums: Vec<f32>,
+}
+
+with_fma!(pub(super) fn quantize_row = quantize_row_impl(x: &[f32]) -> QuantRow);
+
+/// ggml's `quantize_row_q8_0` / `quantize_row_q8_1` (x86 path): `d = amax / 127` stored as
+/// f16, `q = round_half_even(x * 127 / amax)`, and for Q8_1 `s = f16(d * Σq)` with the unrounded d.
+#[inline(always)]
+pub(super) fn quantize_row_impl(x: &[f32]) -> QuantRow {
+    let mut quants = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(x.len() / BLOCK);
+    let mut sums = Vec::with_capacity(x.len() / BLOCK);
+    for block in x.chunks_exact(BLOCK) {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        scales.push(f16::from_f32(d).to_f32());
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let start = quants.len();
+        quants.extend(block.iter().map(|v| (v * id).round_ties_even() as i8));
+        let sum: i32 = quants[start..].iter().map(|&q| q as i32).sum();
+        sums.push(f16::from_f32(d * sum as f32).to_f32());
+    }
+    QuantRow {
+        quants,
+        scales,
+        sums,
+    }
+}
+
+// The dot products reproduce ggml's x86 `ggml_vec_dot_*` to the bit: per block, eight lanes
+// each hold an exact integer sum of 4 products (elements 4l..4l+4), converted to f32 and
+// accumulated with one fused multiply-add by `d_w * d_x`; the 8 lanes are summed at the end in
+// ggml's `hsum_float_8` order. The scalar functions are the specification; the AVX2 ones compute
+// the same bits faster and are used when the CPU has AVX2 and FMA.
+
+/// Which weight block format a dot product reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Format {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+impl Format {
+    /// Bytes of quants per block in the packed layout.
+    pub(super) fn block_bytes(self) -> usize {
+        match self {
+            Format::Q8_0 => BLOCK,
+            Format::Q4_0 | Format::Q4_1 => BLOCK / 2,
+        }
+    }
+}
+
+/// ggml's `hsum_float_8`: (lanes 0..4 + lanes 4..8), then pairs (0+2, 1+3), then the two.
+pub(super) fn hsum8(acc: [f32; 8]) -> f32 {
+    let r: [f32; 4] = std::array::from_fn(|i| acc[i + 4] + acc[i]);
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Weight quant `i` (0..32) of a block, as the signed value ggml multiplies.
+pub(super) fn weight_quant(format: Format, block: &[u8], i: usize) -> i32 {
+    match format {
+        Format::Q8_0 => block[i] as i8 as i32,
+        Format::Q4_0 | Format::Q4_1 => {
+            let byte = block[i % 16];
+            let nibble = if i < 16 { byte & 0x0F } else { byte >> 4 } as i32;
+            if format == Format::Q4_0 {
+                nibble - 8
+            } else {
+                nibble
+            }
+        }
+    }
+}
+
+/// The specification: one output element, scalar.
+pub(super) fn dot_scalar(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
+    let bb = format.block_bytes();
+    let mut acc = [0.0f32; 8];
+    let mut mins = 0.0f32;
+    for (b, (xq, wq)) in x
+        .quants
+        .chunks_exact(BLOCK)
+        .zip(w.chunks_exact(bb))
+        .enumerate()
+    {
+        let d = w_scales[b] * x.scales[b];
+        for (l, lane) in acc.iter_mut().enumerate() {
+            let sumi: i32 = (4 * l..4 * l + 4)
+                .map(|i| weight_quant(format, wq, i) * xq[i] as i32)
+                .sum();
+            *lane = d.mul_add(sumi as f32, *lane);
+        }
+        if format == Format::Q4_1 {
+            mins = w_mins[b].mul_add(x.sums[b], mins);
+        }
+    }
+    hsum8(acc) + mins
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, Format, QuantRow};
+
+    /// 32 weight quants of a block as i8 (Q4 nibbles unpacked: low nibbles then high nibbles).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn load_weights(format: Format, block: &[u8]) -> __m256i {
+        unsafe {
+            match format {
+                Format::Q8_0 => _mm256_loadu_si256(block.as_ptr() as *const __m256i),
+                Format::Q4_0 | Format::Q4_1 => {
+                    let packed = _mm_loadu_si128(block.as_ptr() as *const __m128i);
+                    let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+                    let nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+                    if format == Format::Q4_0 {
+                        _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8))
+                    } else {
+                        nibbles
+                    }
+                }
+            }
+        }
+    }
+
+    /// Eight i32 lanes, lane l = Σ w[i] x[i] over i in 4l..4l+4 (ggml's mul_sum_i8_pairs).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn lane_sums(format: Format, w: __m256i, x: __m256i) -> __m256i {
+        let ones = _mm256_set1_epi16(1);
+        if format == Format::Q4_1 {
+            // Unsigned weights times signed activations directly.
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        }
+        // maddubs needs an unsigned operand: |w| times x with w's sign moved onto x.
+        let aw = _mm256_sign_epi8(w, w);
+        let sx = _mm256_sign_epi8(x, w);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
+    }
+
+    /// Four output elements — four weight rows against one activation row — with independent
+    /// accumulators, so one chain's FMA latency does not stall the others. Each is bit-identical
+    /// to `dot_scalar`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot4(
+        format: Format,
+        x: &QuantRow,
+        w: [&[u8]; 4],
+        s: [&[f32]; 4],
+        m: [&[f32]; 4],
+    ) -> [f32; 4] {
+        // One specialized loop per format: no per-block branch on it.
+        unsafe {
+            match format {
+                Format::Q8_0 => dot4_for::<0>(x, w, s, m),
+                Format::Q4_0 => dot4_for::<1>(x, w, s, m),
+                Format::Q4_1 => dot4_for::<2>(x, w, s, m),
+            }
+        }
+    }
+
+    const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn dot4_for<const F: usize>(
+        x: &QuantRow,
+        w: [&[u8]; 4],
+        s: [&[f32]; 4],
+        m: [&[f32]; 4],
+    ) -> [f32; 4] {
+        let format = FORMATS[F];
+        let bb = format.block_bytes();
+        let blocks = x.scales.len();
+        // The caller passes whole rows: `blocks` blocks of weights, scales (and mins for Q4_1).
+        for r in 0..4 {
+            assert!(w[r].len() >= blocks * bb && s[r].len() >= blocks);
+            assert!(format != Format::Q4_1 || m[r].len() >= blocks);
+        }
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut mins = [0.0f32; 4];
+            for b in 0..blocks {
+                let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK) as *const __m256i);
+                let xd = *x.scales.get_unchecked(b);
+                for r in 0..4 {
+                    let d = _mm256_set1_ps(*s[r].get_unchecked(b) * xd);
+                    let wq = load_weights(format, w[r].get_unchecked(b * bb..));
+                    let q = _mm256_cvtepi32_ps(lane_sums(format, wq, xq));
+                    acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+                    if format == Format::Q4_1 {
+                        mins[r] = m[r]
+                            .get_unchecked(b)
+                            .mul_add(*x.sums.get_unchecked(b), mins[r]);
+                    }
+                }
+            }
+            std::array::from_fn(|r| {
+                let mut lanes = [0.0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+                super::hsum8(lanes) + mins[r]
+            })
+        }
+    }
+}
+
+/// Four output elements' dot products (see `avx2::dot4`).
+pub(super) type Dot4Fn = fn(Format, &QuantRow, [&[u8]; 4], [&[f32]; 4], [&[f32]; 4]) -> [f32; 4];
+
+/// The fastest implementation this CPU has (chosen once per matmul, not per element).
+pub(super) fn dot4_impl() -> Dot4Fn {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has the features `avx2::dot4` is compiled for; callers pass whole blocks.
+        return |format, x, w, s, m| unsafe { avx2::dot4(format, x, w, s, m) };
+    }
+    |format, x, w, s, m| std::array::from_fn(|r| dot_scalar(format, x, w[r], s[r], m[r]))
+}
+
+/// A packed weight's host buffers (contiguous; views of the tensors' memory, not copies).
+pub(super) struct HostWeight {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    words: FlexTensor,
+    scales: Option<FlexTensor>,
+    mins: Option<FlexTensor>,
+}
+
+impl HostWeight {
+    /// `None` when the tensors are not in the packed layout's types and shapes.
+    pub(super) fn new(w: &PackedTensor<Flex>) -> Option<Self> {
+        let ws = w.words.shape();
+        if ws.num_dims() != 2 || !matches!(w.words.dtype(), DType::U32 | DType::I32) {
+            return None;
+        }
+        let (rows, cols) = (ws[0], w.cols);
+        if !cols.is_multiple_of(w.ty.block_size()) || ws[1] != row_words(w.ty, cols) {
+            return None;
+        }
+        let blocks = [rows, cols / BLOCK];
+        let f32_blocks = |t: &Option<FlexTensor>| match t {
+            Some(t) if t.dtype() == DType::F32 && t.shape().dims::<2>() == blocks => {
+                Some(Some(t.to_contiguous()))
+            }
+            Some(_) => None,
+            None => Some(None),
+        };
+        let (scales, mins) = (f32_blocks(&w.scales)?, f32_blocks(&w.mins)?);
+        let split_ok = match w.ty {
+            GgmlType::Q8_0 | GgmlType::Q4_0 => scales.is_some(),
+            GgmlType::Q4_1 => scales.is_some() && mins.is_some(),
+            _ => true,
+        };
+        split_ok.then(|| HostWeight {
+            ty: w.ty,
+            rows,
+            cols,
+            words: w.words.to_contiguous(),
+            scales,
+            mins,
+        })
+    }
+
+    pub(super) fn view(&self) -> HostPackedView<'_> {
+        let words: &[u32] = match self.words.dtype() {
+            DType::U32 => self.words.as_slice::<u32>().expect("contiguous u32"),
+            _ => bytemuck::cast_slice(self.words.as_slice::<i32>().expect("contiguous i32")),
+        };
+        fn f32s(t: &Option<FlexTensor>) -> &[f32] {
+            t.as_ref()
+                .map(|t| t.as_slice::<f32>().expect("contiguous f32"))
+                .unwrap_or(&[])
+        }
+        HostPackedView {
+            ty: self.ty,
+            rows: self.rows,
+            cols: self.cols,
+            words,
+            scales: f32s(&self.scales),
+            mins: f32s(&self.mins),
+        }
+    }
+}
+
+/// The operands of a packed matmul, when they are in the layout the native loops need.
+pub(super) struct Operands {
+    /// Contiguous f32 activations (a view of the caller's buffer, not a copy).
+    x: FlexTensor,
+    m: usize,
+    w: HostWeight,
+    repackable: bool,
+}
+
+impl Operands {
+    pub(super) fn new(x: &FlexTensor, w: &PackedTensor<Flex>) -> Option<Self> {
+        let w_repackable = w.repackable;
+        let xs = x.shape();
+        if x.dtype() != DType::F32 || xs.num_dims() != 2 || xs[1] != w.cols {
+            return None;
+        }
+        let w = HostWeight::new(w)?;
+        let x = x.to_contiguous();
+        x.as_slice::<f32>()?;
+        Some(Operands {
+            x,
+            m: xs[0],
+            w,
+            repackable: w_repackable,
+        })
+    }
+
+    pub(super) fn run(self) -> FlexTensor {
+        let x = self.x.as_slice::<f32>().expect("checked in Operands::new");
+        let w = self.w.view();
+        let out = match w.ty {
+            GgmlType::Q8_0 => split_matmul(Format::Q8_0, x, self.m, &w),
+            GgmlType::Q4_0 if blocks::repacked(w.ty, w.rows, self.repackable) => {
+                q4_0_repacked(x, self.m, &w)
+            }
+            GgmlType::Q4_0 => split_matmul(Format::Q4_0, x, self.m, &w),
+            GgmlType::Q4_1 => split_matmul(Format::Q4_1, x, self.m, &w),
+            _ => blocks::matmul(x, self.m, &w, self.repackable),
+        };
+        FlexTensor::from_data(TensorData::new(out, [self.m, w.rows]))
+    }
+}
+
+/// `x[m, k] · Wᵀ` for a Q8_0/Q4_0/Q4_1 weight in the split layout.
+fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
+    let (k, n) = (w.cols, w.rows);
+    let bytes: &[u8] = bytemuck::cast_slice(w.words);
+    let (scales, mins) = (w.scales, w.mins);
+    #[cfg(target_arch = "x86_64")]
+    if vnni::available() {
+        let w = vnni::Weights {
+            bytes,
+            scales,
+            mins,
+            n,
+        };
+        return vnni::matmul(format, x, m, k, w);
+    }
+    let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
+    let row_bytes = bytes.len() / n;
+    let blocks = k / BLOCK;
+    let dot4 = dot4_impl();
+    let weight = |j: usize| {
+        let mn = if mins.is_empty() {
+            &[][..]
+        } else {
+            &mins[j * blocks..(j + 1) * blocks]
+        };
+        (
+            &bytes[j * row_bytes..(j + 1) * row_bytes],
+            &scales[j * blocks..(j + 1) * blocks],
+            mn,
+        )
+    };
+    // Output column j (weight row j) for every activation row, in parallel over groups of
+    // columns (one column is too little work to hand to a thread), four columns per call.
+    const COLS: usize = 16;
+    let mut out_t = vec![0.0f32; n * m];
+    let work = |(g, cols): (usize, &mut [f32])| {
+        let ncols = cols.len() / m;
+        for c0 in (0..ncols).step_by(4) {
+            // Past the last column, repeat it (computed, not stored).
+            let parts: [_; 4] = std::array::from_fn(|r| weight(g * COLS + (c0 + r).min(ncols - 1)));
+            let (w, s, mn) = (parts.map(|p| p.0), parts.map(|p| p.1), parts.map(|p| p.2));
+            for (i, row) in rows.iter().enumerate() {
+                let y = dot4(format, row, w, s, mn);
+                for (r, &v) in y.iter().enumerate().take(ncols - c0) {
+                    cols[(c0 + r) * m + i] = v;
+                }
+            }
+        }
+    };
+    // Even a decode step's small projections gain from both cores: measured, running them on
+    // one thread to save the pool's wake-up made decode 35% slower.
+    out_t.par_chunks_mut(m * COLS).enumerate().for_each(work);
+    transpose_columns(out_t, m, n)
+}
+
+/// Q4_0 as llama.cpp's repacked `q4_0_8x8` kernels compute it (see `blocks::dot_repacked_32`).
+fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
+    let (k, n) = (w.cols, w.rows);
+    let bytes: &[u8] = bytemuck::cast_slice(w.words);
+    let (nb, row_bytes) = (k / BLOCK, k / 2);
+    let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
+    let mut out_t = vec![0.0f32; n * m];
+    out_t.par_chunks_mut(m).enumerate().for_each(|(j, col)| {
+        let wq = &bytes[j * row_bytes..(j + 1) * row_bytes];
+        let ws = &w.scales[j * nb..(j + 1) * nb];
+        for (o, row) in col.iter_mut().zip(&rows) {
+            *o = blocks::dot_repacked_32(nb, row, |b, i| weight_quant(Format::Q4_0, &wq[16 * b..], i), |b| ws[b]);
+        }
+    });
+    transpose_columns(out_t, m, n)
+}
+
+/// `out_t[n][m]` (one output column per weight row) as the row-major `[m, n]` output.
+pub(super) fn transpose_columns(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
+    if m == 1 {
+        return out_t;
+    }
+    let mut out = vec![0.0f32; m * n];
+    for j in 0..n {
+        for i in 0..m {
+            out[i * n + j] = out_t[j * m + i];
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SIMD path must give the scalar specification's bits exactly.
+    #[test]
+    fn simd_dot_is_bit_identical_to_scalar() {
+        let mut seed = 1u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+            for blocks in [1usize, 3, 18, 48] {
+                let k = blocks * BLOCK;
+                let x: Vec<f32> = (0..k)
+                    .map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0)
+                    .collect();
+                let row = quantize_row(&x);
+                let w: Vec<u8> = (0..blocks * format.block_bytes())
+                    .map(|_| next() as u8)
+                    .collect();
+                let s: Vec<f32> = (0..blocks)
+                    .map(|_| next() as f32 / u32::MAX as f32 * 0.1)
+                    .collect();
+                let mn: Vec<f32> = (0..blocks)
+                    .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+                    .collect();
+                let want = dot_scalar(format, &row, &w, &s, &mn);
+                let got = dot4_impl()(format, &row, [&w; 4], [&s; 4], [&mn; 4]);
+                assert!(
+                    got.iter().all(|g| g.to_bits() == want.to_bits()),
+                    "{got:?} vs {want}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! Weights kept in their GGUF block format ("packed"): the layouts every implementation of
+//! [`ToyBackend::packed_matmul`](crate::ToyBackend::packed_matmul) reads, and packing from the
+//! bytes of a GGUF tensor.
+//!
+//! A packed weight has `rows` rows of `cols` values (a GGUF matrix with ggml dims `[cols, rows]`,
+//! i.e. a PyTorch `[out, in]` weight). Its words are little-endian u32 (the one integer type
+//! every backend has), in one of two layouts:
+//!
+//! - **Split** (Q8_0, Q4_0, Q4_1, the formats toy's first kernels were written for): each block's
+//!   quant bytes, without their f16 fields, as `words[rows, cols / per_word]`; the f16 scales
+//!   widened to f32 (exactly) as `scales[rows, cols / 32]`, and Q4_1's offsets as `mins`.
+//!   Q8_0: byte `j` of a row is the i8 quant of element `j`. Q4_0/Q4_1: each 32-value block is 16
+//!   bytes, byte `j` holding element `j` in its low nibble and element `j + 16` in its high one.
+//! - **Blocks** (every other type): each row's GGUF bytes as they are in the file, padded with
+//!   zeros to a whole number of words: `words[rows, row_words]`. 16-bit weights (F16, BF16) are
+//!   this layout too: two values per word, element `2i` in the low half.
+//!
+//! So a packed weight takes the memory its file takes (the split layout adds 2 bytes per block
+//! for the widened scales); no f32 copy of it is ever made.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use half::f16;
+pub use toy_quant::GgmlType;
+
+/// Values per Q8_0/Q4_0/Q4_1 block.
+pub const BLOCK: usize = 32;
+/// Values per K-quant super-block (Q2_K..Q6_K, IQ4_XS, and the Q8_K activations they take).
+pub const QK_K: usize = 256;
+
+/// The weight types toy multiplies as they are stored (every other GGUF type is widened to f32
+/// at load).
+pub const PACKED_TYPES: [GgmlType; 14] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::F16,
+    GgmlType::BF16,
+];
+
+/// Whether `ty` uses the split layout (quants, f32 scales and mins in separate tensors).
+pub fn is_split(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1)
+}
+
+/// u32 words per row of `cols` values of `ty` in its packed layout.
+pub fn row_words(ty: GgmlType, cols: usize) -> usize {
+    match ty {
+        GgmlType::Q8_0 => cols / 4,
+        GgmlType::Q4_0 | GgmlType::Q4_1 => cols / 8,
+        _ => (cols / ty.block_size() * ty.type_size()).div_ceil(4),
+    }
+}
+
+/// A packed weight on a backend's device (see the module docs for the layouts).
+#[derive(Debug, Clone)]
+pub struct PackedTensor<B: Backend> {
+    pub ty: GgmlType,
+    /// Values per row (the `in` features).
+    pub cols: usize,
+    /// `[rows, row_words(ty, cols)]`, `DType::U32` (or I32 holding the same bits).
+    pub words: IntTensor<B>,
+    /// Split layouts: `[rows, cols / 32]` f32 block scales.
+    pub scales: Option<FloatTensor<B>>,
+    /// Q4_1: `[rows, cols / 32]` f32 block offsets.
+    pub mins: Option<FloatTensor<B>>,
+    /// Whether llama.cpp would move this weight into its repacked (interleaved) CPU layout if
+    /// its type and shape allow: true for matmul weights, false for the token embedding table,
+    /// which llama.cpp keeps in its plain buffer even when a tied output head multiplies by it.
+    /// The repacked kernels sum in another order, so the CPU backend needs to know.
+    pub repackable: bool,
+}
+
+/// A packed weight on the host, ready to become device tensors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostPacked {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    /// `[rows, row_words(ty, cols)]`, row-major.
+    pub words: Vec<u32>,
+    pub scales: Option<Vec<f32>>,
+    pub mins: Option<Vec<f32>>,
+}
+
+/// Why GGUF bytes cannot be packed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PackError {
+    #[error("{ty} weights are not kept packed (packed types: {})", packed_names())]
+    Unsupported { ty: GgmlType },
+    #[error(
+        "a {ty} row holds a whole number of {block}-value blocks, but this weight's rows have {cols} values"
+    )]
+    PartialBlock {
+        ty: GgmlType,
+        cols: usize,
+        block: usize,
+    },
+    #[error(
+        "{rows} rows of {cols} {ty} values take {need} bytes, but the tensor has {have}: the file is truncated or corrupt"
+    )]
+    Size {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        need: usize,
+        have: usize,
+    },
+}
+
+fn packed_names() -> String {
+    let names: Vec<&str> = PACKED_TYPES.iter().map(|t| t.name()).collect();
+    names.join(", ")
+}
+
+/// Pack the GGUF data `bytes` of a `rows × cols` weight of type `ty`.
+pub fn pack(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<HostPacked, PackError> {
+    if !PACKED_TYPES.contains(&ty) {
+        return Err(PackError::Unsupported { ty });
+    }
+    let block = ty.block_size();
+    if cols == 0 || !cols.is_multiple_of(block) {
+        return Err(PackError::PartialBlock { ty, cols, block });
+    }
+    let row_bytes = cols / block * ty.type_size();
+    let need = rows * row_bytes;
+    if bytes.len() != need {
+        return Err(PackError::Size {
+            ty,
+            rows,
+            cols,
+            need,
+            have: bytes.len(),
+        });
+    }
+    Ok(if is_split(ty) {
+        split(ty, bytes, rows, cols)
+    } else {
+        let per_row = row_words(ty, cols);
+        let mut words = vec![0u32; rows * per_row];
+        for (row, out) in bytes.chunks_exact(row_bytes).zip(words.chunks_exact_mut(per_row)) {
+            let out: &mut [u8] = bytemuck::cast_slice_mut(out);
+            out[..row_bytes].copy_from_slice(row);
+        }
+        HostPacked {
+            ty,
+            rows,
+            cols,
+            words,
+            scales: None,
+            mins: None,
+        }
+    })
+}
+
+/// Split Q8_0/Q4_0/Q4_1 blocks into quant words, f32 scales and (Q4_1) mins.
+fn split(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> HostPacked {
+    let block_bytes = ty.type_size();
+    let n_blocks = rows * cols / BLOCK;
+    // The quants are the last 32 (Q8_0) or 16 (Q4_*) bytes of a block, after the f16 fields.
+    let header = if ty == GgmlType::Q4_1 { 4 } else { 2 };
+    let mut words = Vec::with_capacity(n_blocks * (block_bytes - header) / 4);
+    let mut scales = Vec::with_capacity(n_blocks);
+    let mut mins = (ty == GgmlType::Q4_1).then(|| Vec::with_capacity(n_blocks));
+    for block in bytes.chunks_exact(block_bytes) {
+        scales.push(f16::from_le_bytes([block[0], block[1]]).to_f32());
+        if let Some(mins) = mins.as_mut() {
+            mins.push(f16::from_le_bytes([block[2], block[3]]).to_f32());
+        }
+        words.extend(
+            block[header..]
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
+    }
+    HostPacked {
+        ty,
+        rows,
+        cols,
+        words,
+        scales: Some(scales),
+        mins,
+    }
+}
+
+/// The GGUF bytes of row `r` of a blocks-layout weight, from its words.
+pub fn row_bytes(ty: GgmlType, cols: usize, words: &[u32], r: usize) -> &[u8] {
+    let per_row = row_words(ty, cols);
+    let bytes: &[u8] = bytemuck::cast_slice(&words[r * per_row..(r + 1) * per_row]);
+    &bytes[..cols / ty.block_size() * ty.type_size()]
+}
+
+/// Row `r` of a packed weight as the GGUF block bytes it came from (the split layouts are
+/// re-assembled), so that `toy_quant::dequantize` can read it.
+pub fn gguf_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
+    let (ty, cols) = (p.ty, p.cols);
+    if !is_split(ty) {
+        return row_bytes(ty, cols, p.words, r).to_vec();
+    }
+    let per_row = row_words(ty, cols);
+    let quants: &[u8] = bytemuck::cast_slice(&p.words[r * per_row..(r + 1) * per_row]);
+    let blocks = cols / BLOCK;
+    let qb = quants.len() / blocks;
+    let mut out = Vec::with_capacity(blocks * ty.type_size());
+    for b in 0..blocks {
+        let i = r * blocks + b;
+        out.extend_from_slice(&f16::from_f32(p.scales[i]).to_le_bytes());
+        if ty == GgmlType::Q4_1 {
+            out.extend_from_slice(&f16::from_f32(p.mins[i]).to_le_bytes());
+        }
+        out.extend_from_slice(&quants[b * qb..(b + 1) * qb]);
+    }
+    out
+}
+
+/// Borrowed host data of a packed weight.
+#[derive(Debug, Clone, Copy)]
+pub struct HostPackedView<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub words: &'a [u32],
+    /// Empty for the blocks layout.
+    pub scales: &'a [f32],
+    /// Empty unless Q4_1.
+    pub mins: &'a [f32],
+}
+
+impl HostPacked {
+    pub fn view(&self) -> HostPackedView<'_> {
+        HostPackedView {
+            ty: self.ty,
+            rows: self.rows,
+            cols: self.cols,
+            words: &self.words,
+            scales: self.scales.as_deref().unwrap_or(&[]),
+            mins: self.mins.as_deref().unwrap_or(&[]),
+        }
+    }
+}
+
+/// Dequantize rows `ids` of a packed weight to f32 (`ids.len() × cols`, row-major), as ggml's
+/// `dequantize_row_*` computes them (bit for bit).
+pub fn dequantize_rows(p: &HostPackedView<'_>, ids: impl IntoIterator<Item = usize>) -> Vec<f32> {
+    let mut out = Vec::new();
+    let mut row = vec![0.0f32; p.cols];
+    for r in ids {
+        let bytes = gguf_row(p, r);
+        toy_quant::dequantize(p.ty, &bytes, &mut row).expect("a packed row is whole blocks");
+        out.extend_from_slice(&row);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Packing then re-assembling a row gives the GGUF bytes back, for every packed type.
+    #[test]
+    fn rows_round_trip_through_every_layout() {
+        let (rows, cols) = (3, 512);
+        for ty in PACKED_TYPES {
+            let row_bytes = cols / ty.block_size() * ty.type_size();
+            let mut bytes: Vec<u8> = (0..rows * row_bytes)
+                .map(|i| (i * 131 % 251) as u8)
+                .collect();
+            // Keep the split formats' f16 fields finite, normal numbers: their widening to f32
+            // and back must be exact for the round trip to hold.
+            if is_split(ty) {
+                for block in bytes.chunks_exact_mut(ty.type_size()) {
+                    block[..2].copy_from_slice(&f16::from_f32(0.125).to_le_bytes());
+                    if ty == GgmlType::Q4_1 {
+                        block[2..4].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes());
+                    }
+                }
+            }
+            let packed = pack(ty, &bytes, rows, cols).unwrap();
+            assert_eq!(packed.words.len(), rows * row_words(ty, cols), "{ty}");
+            for r in 0..rows {
+                assert_eq!(
+                    gguf_row(&packed.view(), r),
+                    &bytes[r * row_bytes..(r + 1) * row_bytes],
+                    "{ty} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_refused_with_the_type_named() {
+        let err = pack(GgmlType::Q4K, &[0; 144], 1, 128).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "a Q4_K row holds a whole number of 256-value blocks, but this weight's rows have 128 values"
+        );
+        let err = pack(GgmlType::Q6K, &[0; 100], 1, 256).unwrap_err();
+        assert!(err.to_string().contains("truncated"), "{err}");
+        let err = pack(GgmlType::Q8K, &[0; 292], 1, 256).unwrap_err();
+        assert!(err.to_string().starts_with("Q8_K weights are not kept packed"), "{err}");
+    }
+}
