@@ -257,10 +257,11 @@ impl ToyBackend for Flex {
             return reference::swiglu::<Self>(gate, up);
         }
         let d = shape[shape.num_dims() - 1];
+        let isa = ggml_isa();
         let mut out = vec![0.0f32; us.len()];
         out.par_chunks_mut(d)
             .zip(gs.par_chunks(d).zip(us.par_chunks(d)))
-            .for_each(|(y, (g, u))| swiglu_row(g, u, y));
+            .for_each(|(y, (g, u))| swiglu_row(g, u, y, isa));
         FlexTensor::from_data(TensorData::new(out, shape))
     }
 
@@ -561,6 +562,8 @@ macro_rules! with_fma {
 
 
 mod attention;
+#[cfg(test)]
+mod avx2_fixture_tests;
 mod blocks;
 mod elementwise;
 #[cfg(target_arch = "x86_64")]
@@ -570,10 +573,12 @@ mod loss;
 mod optim;
 mod vnni;
 mod qmatmul;
+mod reduce;
 
 use attention::*;
 use elementwise::*;
 use qmatmul::*;
+use reduce::*;
 
 #[cfg(test)]
 mod tests {

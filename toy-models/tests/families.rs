@@ -23,17 +23,13 @@
 
 mod common;
 
-use common::ids;
-
-use std::path::PathBuf;
+use common::{expected, ids, load, logit_deviation};
 
 use burn::backend::Flex;
-use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
-use toy_core::gguf::GgufFile;
 use toy_core::tokenizer::Tokenizer;
 use toy_kernels::ToyBackend;
-use toy_models::{CausalLm, Model, load_model};
+
 
 /// Q8_0 fixtures: bit-exact arithmetic, so the oracle's print precision.
 const QUANTIZED_TOL: f64 = 2e-6;
@@ -41,55 +37,6 @@ const QUANTIZED_TOL: f64 = 2e-6;
 const F32_TOL: f64 = 1e-5;
 /// F32 fixtures with ggml's f16-table GELU: see the module docs.
 const GELU_TOL: f64 = 5e-4;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/models")).join(name)
-}
-
-fn expected(name: &str) -> Value {
-    serde_json::from_str(
-        &std::fs::read_to_string(fixture(&format!("tiny-{name}.expected.json"))).unwrap(),
-    )
-    .unwrap()
-}
-
-fn load<B: ToyBackend>(name: &str, device: &B::Device) -> (GgufFile, String, Model<B>) {
-    let file = GgufFile::open(fixture(&format!("tiny-{name}.gguf"))).unwrap();
-    let (config, model) = load_model::<B>(&file, device, |_, _| {}).unwrap();
-    (file, config.architecture, model)
-}
-
-/// Largest |toy - llama.cpp| over llama.cpp's top-8 logits at every position of every prompt.
-fn logit_deviation<B: ToyBackend>(
-    model: &impl CausalLm<B>,
-    expected: &Value,
-    device: &B::Device,
-) -> f64 {
-    let mut worst = 0.0f64;
-    for case in expected["logits"].as_array().unwrap() {
-        let prompt: Vec<i64> = ids(&case["ids"]).into_iter().map(i64::from).collect();
-        let n = prompt.len();
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(prompt, [1, n]), device);
-        let logits = model
-            .forward(tokens, &mut model.new_cache())
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .unwrap();
-        let vocab = logits.len() / n;
-        for p in case["positions"].as_array().unwrap() {
-            let pos = p["pos"].as_u64().unwrap() as usize;
-            for pair in p["top"].as_array().unwrap() {
-                let (id, want) = (
-                    pair[0].as_u64().unwrap() as usize,
-                    pair[1].as_f64().unwrap(),
-                );
-                worst = worst.max((logits[pos * vocab + id] as f64 - want).abs());
-            }
-        }
-    }
-    worst
-}
 
 /// Tokenization, greedy ids and logits of fixture `name` (architecture `arch`) on backend `B`.
 fn check<B: ToyBackend>(name: &str, arch: &str, tol: f64, device: &B::Device) {

@@ -5,14 +5,6 @@ use rayon::prelude::*;
 
 use super::*;
 
-/// GCC's `_mm512_reduce_add_ps`: halves (8 + 8), quarters (4 + 4), then (0+2)+(1+3).
-#[inline(always)]
-pub(super) fn reduce_add16(v: &[f32; 16]) -> f32 {
-    let t3: [f32; 8] = std::array::from_fn(|i| v[8 + i] + v[i]);
-    let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
-    (t6[0] + t6[2]) + (t6[1] + t6[3])
-}
-
 /// ggml's `ggml_vec_dot_f32` (AVX-512): four 16-lane accumulators over steps of 64 with FMA,
 /// reduced pairwise (0+2, 1+3, then 0+1) and horizontally; the tail is summed serially.
 /// `x(i)`/`y(i)` give the operands so that strided rows need no copy.
@@ -94,11 +86,97 @@ pub(super) fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &
 /// The two inner loops of `attend_head_impl` that decide its speed, in a portable form and, on
 /// x86-64, an AVX-512 one (sixteen 16-lane accumulators fit AVX-512's 32 registers; the portable
 /// form compiled for AVX-512 still keeps them on the stack). Both give the same bits.
+///
+/// The defaults are the AVX-512 build's arithmetic; [`Avx2Build`] overrides them with the AVX2
+/// build's (8 lanes where AVX-512 has 16, and its own `expf`).
 pub(super) trait HeadLoops {
     /// `vec_dot_f32(d, K[j], q)` for the keys `j0..j0 + 16` of a transposed `kt[d][stride]`.
     fn scores16(kt: &[f32], stride: usize, j0: usize, q: &[f32]) -> [f32; 16];
     /// tinyBLAS's `out[c] = Σ_j V[j][c] · p[j]` over the keys `lo..end`.
     fn weighted_sum(v: &[f32], p: &[f32], lo: usize, end: usize, d: usize, out: &mut [f32]);
+
+    /// f32 lanes of the build's vectors: the softmax's chunks are this long.
+    const LANES: usize = 16;
+
+    /// `vec_dot_f32(d, k, q)` for one key.
+    #[inline(always)]
+    fn key_dot(k: &[f32], q: &[f32]) -> f32 {
+        vec_dot_f32(q.len(), |c| k[c], |c| q[c])
+    }
+
+    /// The build's vector `expf`.
+    #[inline(always)]
+    fn expf(x: f32) -> f32 {
+        ggml_expf(x)
+    }
+
+    /// The softmax's sum of one chunk of `LANES` exponentials.
+    #[inline(always)]
+    fn chunk_sum(chunk: &[f32]) -> f32 {
+        reduce_add16(chunk.try_into().expect("16 lanes"))
+    }
+
+    /// `vec_dot_f32`'s reduction of its `4 · LANES` lane accumulators `lanes[lane][column]`
+    /// into `out[column]` (decode's `V·p`, one query row).
+    #[inline(always)]
+    fn decode_reduce(lanes: &[f32], d: usize, out: &mut [f32]) {
+        let lane = |l: usize| &lanes[l * d..(l + 1) * d];
+        // r[l] = (L[l] + L[32+l]) + (L[16+l] + L[48+l]), then reduce_add16(r); column by column,
+        // vectorized over columns.
+        let mut r = vec![0.0f32; 16 * d];
+        for l in 0..16 {
+            let (a, b, c, e) = (lane(l), lane(32 + l), lane(16 + l), lane(48 + l));
+            for (x, rv) in r[l * d..(l + 1) * d].iter_mut().enumerate() {
+                *rv = (a[x] + b[x]) + (c[x] + e[x]);
+            }
+        }
+        reduce_add16_columns(&r, d, out);
+    }
+}
+
+/// The arithmetic of llama.cpp's AVX2 build, in portable form.
+pub(super) struct Avx2Build;
+
+impl HeadLoops for Avx2Build {
+    #[inline(always)]
+    fn scores16(kt: &[f32], stride: usize, j0: usize, q: &[f32]) -> [f32; 16] {
+        vec_dot_f32_avx2_16keys(kt, stride, j0, q)
+    }
+    #[inline(always)]
+    fn weighted_sum(v: &[f32], p: &[f32], lo: usize, end: usize, d: usize, out: &mut [f32]) {
+        weighted_sum_rows8(v, p, lo, end, d, out)
+    }
+
+    const LANES: usize = 8;
+
+    #[inline(always)]
+    fn key_dot(k: &[f32], q: &[f32]) -> f32 {
+        vec_dot_f32_avx2(k, q)
+    }
+
+    #[inline(always)]
+    fn expf(x: f32) -> f32 {
+        ggml_expf_avx2(x)
+    }
+
+    #[inline(always)]
+    fn chunk_sum(chunk: &[f32]) -> f32 {
+        hsum8(chunk.try_into().expect("8 lanes"))
+    }
+
+    #[inline(always)]
+    fn decode_reduce(lanes: &[f32], d: usize, out: &mut [f32]) {
+        // Accumulator `a` (of 4) lane `l` is lane 8a + l: r[l] = (acc0 + acc2) + (acc1 + acc3),
+        // then the F32x8 reduction of r, column by column.
+        let lane = |l: usize| &lanes[l * d..(l + 1) * d];
+        for (x, o) in out.iter_mut().enumerate() {
+            let r: [f32; 8] = std::array::from_fn(|l| {
+                (lane(l)[x] + lane(16 + l)[x]) + (lane(8 + l)[x] + lane(24 + l)[x])
+            });
+            let t0: [f32; 4] = std::array::from_fn(|i| r[i] + r[i + 4]);
+            *o = (t0[0] + t0[1]) + (t0[2] + t0[3]);
+        }
+    }
 }
 
 pub(super) struct Portable;
@@ -124,6 +202,9 @@ pub(super) fn attend_head(
     dims: [usize; 3],
     scale: f32,
 ) {
+    if ggml_isa() == GgmlIsa::Avx2 {
+        return attend_head_avx2_fma(q, k, v, mask, out, dims, scale);
+    }
     #[cfg(target_arch = "x86_64")]
     {
         if attn512::available() {
@@ -134,6 +215,21 @@ pub(super) fn attend_head(
     }
     #[cfg(not(target_arch = "x86_64"))]
     attend_head_impl::<Portable>(q, k, v, mask, out, dims, scale)
+}
+
+with_fma!(pub(super) fn attend_head_avx2_fma = attend_head_avx2(q: &[f32], k: &[f32], v: &[f32], mask: &[bool], out: &mut [f32], dims: [usize; 3], scale: f32));
+
+#[inline(always)]
+pub(super) fn attend_head_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[bool],
+    out: &mut [f32],
+    dims: [usize; 3],
+    scale: f32,
+) {
+    attend_head_impl::<Avx2Build>(q, k, v, mask, out, dims, scale)
 }
 
 with_fma!(pub(super) fn attend_head_fma = attend_head_portable(q: &[f32], k: &[f32], v: &[f32], mask: &[bool], out: &mut [f32], dims: [usize; 3], scale: f32));
@@ -296,8 +392,9 @@ pub(super) fn attend_head_impl<L: HeadLoops>(
 ) {
     let n_pad = tk.div_ceil(64) * 64;
     let mut p = vec![0.0f32; n_pad];
-    // Decode's lane accumulators, `[lane][column]`: vec_dot_f32's 64 lanes.
-    let mut acc = vec![0.0f32; if tq == 1 { 64 * d } else { 0 }];
+    // Decode's lane accumulators, `[lane][column]`: vec_dot_f32's 4 · LANES lanes.
+    let vec_lanes = 4 * L::LANES;
+    let mut acc = vec![0.0f32; if tq == 1 { vec_lanes * d } else { 0 }];
     // For several query rows, K transposed once (`[d][tk16]`, zero-padded to 16 keys) lets the
     // scores of 16 keys be computed together, one key per lane.
     let tk16 = tk.div_ceil(16) * 16;
@@ -341,7 +438,7 @@ pub(super) fn attend_head_impl<L: HeadLoops>(
             None => {
                 for (j, pj) in p.iter_mut().enumerate().take(hi).skip(lo) {
                     *pj = if visible(j) {
-                        vec_dot_f32(d, |c| k[j * d + c], |c| qrow[c]) * scale
+                        L::key_dot(&k[j * d..(j + 1) * d], qrow) * scale
                     } else {
                         f32::NEG_INFINITY
                     };
@@ -350,11 +447,11 @@ pub(super) fn attend_head_impl<L: HeadLoops>(
         }
         let max = p[lo..hi].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let mut sum = 0.0f64;
-        for chunk in p[lo..hi].chunks_exact_mut(16) {
+        for chunk in p[lo..hi].chunks_exact_mut(L::LANES) {
             for e in chunk.iter_mut() {
-                *e = ggml_expf(*e - max);
+                *e = L::expf(*e - max);
             }
-            sum += reduce_add16((&*chunk).try_into().expect("16 lanes")) as f64;
+            sum += L::chunk_sum(chunk) as f64;
         }
         let inv = (1.0 / sum) as f32;
         p[lo..hi].iter_mut().for_each(|e| *e *= inv);
@@ -364,22 +461,13 @@ pub(super) fn attend_head_impl<L: HeadLoops>(
         } else {
             acc.fill(0.0);
             for (j, &pj) in p.iter().enumerate().take(hi.min(tk)).skip(lo) {
-                let lane = &mut acc[(j % 64) * d..(j % 64 + 1) * d];
+                let l = j % vec_lanes;
+                let lane = &mut acc[l * d..(l + 1) * d];
                 for (a, &vj) in lane.iter_mut().zip(&v[j * d..(j + 1) * d]) {
                     *a = vj.mul_add(pj, *a);
                 }
             }
-            let lane = |l: usize| &acc[l * d..(l + 1) * d];
-            // vec_dot_f32's reduction: r[l] = (L[l] + L[32+l]) + (L[16+l] + L[48+l]), then
-            // reduce_add16(r); column by column, vectorized over columns.
-            let mut r = vec![0.0f32; 16 * d];
-            for l in 0..16 {
-                let (a, b, c, e) = (lane(l), lane(32 + l), lane(16 + l), lane(48 + l));
-                for (x, rv) in r[l * d..(l + 1) * d].iter_mut().enumerate() {
-                    *rv = (a[x] + b[x]) + (c[x] + e[x]);
-                }
-            }
-            reduce_add16_columns(&r, d, o);
+            L::decode_reduce(&acc, d, o);
         }
     }
 }
@@ -502,6 +590,113 @@ pub(super) fn reduce_add16_columns(lanes: &[f32], d: usize, out: &mut [f32]) {
         let t3: [f32; 8] = std::array::from_fn(|i| l(8 + i)[c] + l(i)[c]);
         let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
         *o = (t6[0] + t6[2]) + (t6[1] + t6[3]);
+    }
+}
+
+/// ggml's `ggml_vec_dot_f32` (AVX2): four 8-lane FMA accumulators over steps of 32, reduced by
+/// ggml's F32x8 reduction; the tail fused into the f32 sum.
+#[inline(always)]
+pub(super) fn vec_dot_f32_avx2(x: &[f32], y: &[f32]) -> f32 {
+    let n = y.len();
+    let np = n / 32 * 32;
+    let mut acc = [[0.0f32; 8]; 4];
+    for i in (0..np).step_by(32) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, a) in lanes.iter_mut().enumerate() {
+                let e = i + 8 * j + l;
+                *a = x[e].mul_add(y[e], *a);
+            }
+        }
+    }
+    let mut sum = reduce_f32x8(acc);
+    for e in np..n {
+        sum += x[e] * y[e];
+    }
+    sum
+}
+
+/// `vec_dot_f32_avx2(d, K[j], q)` for the 16 keys `j0..j0 + 16` of a transposed `kt[d][stride]`,
+/// one key per lane (as `vec_dot_f32_16keys` does for the AVX-512 order): accumulator `a` lane
+/// `l` sums the columns `c ≡ 8a + l (mod 32)`.
+#[inline(always)]
+pub(super) fn vec_dot_f32_avx2_16keys(kt: &[f32], stride: usize, j0: usize, q: &[f32]) -> [f32; 16] {
+    type Keys = [f32; 16];
+    let d = q.len();
+    let np = d / 32 * 32;
+    let key_lanes = |c: usize| -> &Keys {
+        (&kt[c * stride + j0..c * stride + j0 + 16])
+            .try_into()
+            .expect("16 keys")
+    };
+    let add = |a: &Keys, b: &Keys| -> Keys { std::array::from_fn(|x| a[x] + b[x]) };
+    // r[l] = (acc0[l] + acc2[l]) + (acc1[l] + acc3[l]); t0[i] = r[i] + r[i + 4]; then
+    // (t0[0] + t0[1]) + (t0[2] + t0[3]).
+    let mut t0 = [[0.0f32; 16]; 4];
+    for (i, t) in t0.iter_mut().enumerate() {
+        let mut r = [[0.0f32; 16]; 2];
+        for (half, rl) in r.iter_mut().enumerate() {
+            let l = i + 4 * half;
+            let mut acc = [[0.0f32; 16]; 4];
+            for c0 in (0..np).step_by(32) {
+                for (a, lanes) in acc.iter_mut().enumerate() {
+                    let c = c0 + 8 * a + l;
+                    let (kc, qc) = (key_lanes(c), q[c]);
+                    for x in 0..16 {
+                        lanes[x] = kc[x].mul_add(qc, lanes[x]);
+                    }
+                }
+            }
+            *rl = add(&add(&acc[0], &acc[2]), &add(&acc[1], &acc[3]));
+        }
+        *t = add(&r[0], &r[1]);
+    }
+    let mut sum = add(&add(&t0[0], &t0[1]), &add(&t0[2], &t0[3]));
+    for c in np..d {
+        let kc = key_lanes(c);
+        for x in 0..16 {
+            sum[x] = kc[x].mul_add(q[c], sum[x]);
+        }
+    }
+    sum
+}
+
+/// tinyBLAS's (AVX2) `Σ_j V[j][c] · p[j]` for the keys `lo..end` (`lo` a multiple of 8): key `j`
+/// goes to lane `j % 8` of column `c`'s accumulator, in key order, summed as `hsum8`. Sixteen
+/// columns at a time.
+#[inline(always)]
+pub(super) fn weighted_sum_rows8(v: &[f32], p: &[f32], lo: usize, end: usize, d: usize, out: &mut [f32]) {
+    type Cols = [f32; 16];
+    let d16 = d / 16 * 16;
+    let full = lo + (end - lo) / 8 * 8;
+    for c0 in (0..d16).step_by(16) {
+        let mut acc = [[0.0f32; 16]; 8];
+        for j0 in (lo..full).step_by(8) {
+            for (l, a) in acc.iter_mut().enumerate() {
+                let j = j0 + l;
+                let vj: &Cols = (&v[j * d + c0..j * d + c0 + 16])
+                    .try_into()
+                    .expect("16 cols");
+                for x in 0..16 {
+                    a[x] = vj[x].mul_add(p[j], a[x]);
+                }
+            }
+        }
+        for (l, a) in acc.iter_mut().enumerate().take(end - full) {
+            let j = full + l;
+            for x in 0..16 {
+                a[x] = v[j * d + c0 + x].mul_add(p[j], a[x]);
+            }
+        }
+        for x in 0..16 {
+            out[c0 + x] = hsum8(std::array::from_fn(|l| acc[l][x]));
+        }
+    }
+    for (c, o) in out.iter_mut().enumerate().skip(d16) {
+        let mut acc = [0.0f32; 8];
+        for j in lo..end {
+            acc[j % 8] = v[j * d + c].mul_add(p[j], acc[j % 8]);
+        }
+        *o = hsum8(acc);
     }
 }
 

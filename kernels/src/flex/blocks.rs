@@ -27,7 +27,8 @@ use half::f16;
 use rayon::prelude::*;
 use toy_quant::{IQ4_GRID, f32_to_bf16};
 
-use super::qmatmul::{QuantRow, hsum8, quantize_row, transpose_columns};
+use super::qmatmul::{QuantRow, quantize_row, transpose_columns};
+use super::reduce::{hsum8, reduce_add16, reduce_f32x8};
 use super::{GgmlIsa, ggml_isa};
 use crate::packed::{BLOCK, GgmlType, HostPackedView, QK_K, row_bytes};
 
@@ -502,21 +503,6 @@ pub(super) fn dot_repacked_32(
     acc
 }
 
-/// ggml's F32x8 reduction (AVX): `(x0 + x2) + (x1 + x3)` lanewise, then low + high half, then
-/// two `hadd`s.
-fn reduce_f32x8(x: [[f32; 8]; 4]) -> f32 {
-    let r: [f32; 8] = std::array::from_fn(|l| (x[0][l] + x[2][l]) + (x[1][l] + x[3][l]));
-    let t0: [f32; 4] = std::array::from_fn(|i| r[i] + r[i + 4]);
-    (t0[0] + t0[1]) + (t0[2] + t0[3])
-}
-
-/// GCC's `_mm512_reduce_add_ps`.
-fn reduce_add16(v: [f32; 16]) -> f32 {
-    let t3: [f32; 8] = std::array::from_fn(|i| v[8 + i] + v[i]);
-    let t6: [f32; 4] = std::array::from_fn(|i| t3[4 + i] + t3[i]);
-    (t6[0] + t6[2]) + (t6[1] + t6[3])
-}
-
 /// `ggml_vec_dot_f16` of f16 weights with f16 activations (both widened exactly to f32): four
 /// 8-lane (AVX2) or 16-lane (AVX-512) FMA accumulators over steps of 32 or 64, reduced, the tail
 /// added in f64.
@@ -538,7 +524,7 @@ fn dot_f16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
         GgmlIsa::Avx2 => reduce_f32x8(sum.map(|s| s[..8].try_into().expect("8 lanes"))),
         GgmlIsa::Avx512 => {
             let r: [f32; 16] = std::array::from_fn(|l| (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]));
-            reduce_add16(r)
+            reduce_add16(&r)
         }
     } as f64;
     for e in np..n {
@@ -580,8 +566,8 @@ fn dot_bf16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
                 }
                 i += 32;
             }
-            sumf += reduce_add16(c[0]) as f64;
-            sumf += reduce_add16(c[1]) as f64;
+            sumf += reduce_add16(&c[0]) as f64;
+            sumf += reduce_add16(&c[1]) as f64;
         }
     }
     for e in i..n {
@@ -602,7 +588,7 @@ fn dot_half_tinyblas(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
     }
     match isa {
         GgmlIsa::Avx2 => hsum8(acc[..8].try_into().expect("8 lanes")),
-        GgmlIsa::Avx512 => reduce_add16(acc),
+        GgmlIsa::Avx512 => reduce_add16(&acc),
     }
 }
 

@@ -68,21 +68,54 @@ pub(super) fn expf_parts(x: f32) -> (f32, f32) {
     (j, z)
 }
 
-with_fma!(pub(super) fn swiglu_row = swiglu_row_impl(g: &[f32], u: &[f32], y: &mut [f32]));
+with_fma!(pub(super) fn swiglu_row = swiglu_row_impl(g: &[f32], u: &[f32], y: &mut [f32], isa: GgmlIsa));
 
-/// ggml's `swiglu`: `silu(g) * u` with `silu(x) = x / (1 + expf(-x))`, 16 lanes at a time with the
-/// vector `expf`, the tail (row length not a multiple of 16) with libm's `expf`.
+/// ggml's `swiglu`: `silu(g) * u` with `silu(x) = x / (1 + expf(-x))`, a vector (16 lanes in the
+/// AVX-512 build, 8 in the AVX2 one) at a time with that build's vector `expf`, the tail (row
+/// length not a multiple of the vector) with libm's `expf`.
 #[inline(always)]
-pub(super) fn swiglu_row_impl(g: &[f32], u: &[f32], y: &mut [f32]) {
-    let vector = g.len() / 16 * 16;
+pub(super) fn swiglu_row_impl(g: &[f32], u: &[f32], y: &mut [f32], isa: GgmlIsa) {
+    let vector = g.len() / isa.lanes() * isa.lanes();
     for i in 0..g.len() {
         let x = g[i];
-        let e = if i < vector {
-            ggml_expf(0.0 - x)
-        } else {
+        let e = if i >= vector {
             (-x).exp()
+        } else if isa == GgmlIsa::Avx2 {
+            ggml_expf_avx2(0.0 - x)
+        } else {
+            ggml_expf(0.0 - x)
         };
         y[i] = x / (1.0 + e) * u[i];
+    }
+}
+
+/// ggml's vectorized `expf` as its AVX2 build computes it (`ggml_v_expf`, `__m256`): the same
+/// polynomial as the AVX-512 flavour but without its constant term, applied as `j · 2^n + 2^n`
+/// in one fused step, with `2^n` built in the exponent bits; arguments past ±126 take a
+/// two-factor path, past ±192 saturate.
+#[inline(always)]
+pub(super) fn ggml_expf_avx2(x: f32) -> f32 {
+    let c = f32::from_bits;
+    let z = x.mul_add(c(0x3fb8_aa3b), EXPF_ROUND); // x / ln 2 + r
+    let n = z - EXPF_ROUND;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    let e = z.to_bits() << 23;
+    let k = f32::from_bits(e.wrapping_add(1.0f32.to_bits()));
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
+    let j = j.mul_add(u, c(0x3f7f_fff6) * b);
+    if n.abs() <= 126.0 {
+        return j.mul_add(k, k);
+    }
+    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
     }
 }
 

@@ -64,11 +64,6 @@ impl Format {
     }
 }
 
-/// ggml's `hsum_float_8`: (lanes 0..4 + lanes 4..8), then pairs (0+2, 1+3), then the two.
-pub(super) fn hsum8(acc: [f32; 8]) -> f32 {
-    let r: [f32; 4] = std::array::from_fn(|i| acc[i + 4] + acc[i]);
-    (r[0] + r[2]) + (r[1] + r[3])
-}
 
 /// Weight quant `i` (0..32) of a block, as the signed value ggml multiplies.
 pub(super) fn weight_quant(format: Format, block: &[u8], i: usize) -> i32 {

@@ -3,11 +3,15 @@
 
 //! Shared by the tests that run the real SmolLM2-135M-Instruct.
 
+use std::path::PathBuf;
+
 use burn::tensor::{Int, Tensor, TensorData};
+use serde_json::Value;
+use toy_core::gguf::GgufFile;
 
 use toy_core::sampling::{Sampler, SamplingParams};
 use toy_kernels::ToyBackend;
-use toy_models::CausalLm;
+use toy_models::{CausalLm, Model, load_model};
 use toy_models::generate::{GenerateOptions, generate};
 
 #[path = "../../../test-support/smollm2.rs"]
@@ -77,3 +81,56 @@ pub fn max_abs_diff_per_row(a: &[Vec<f32>], b: &[Vec<f32>]) -> Vec<f32> {
         })
         .collect()
 }
+
+// Tiny random-weight model fixtures (fixtures/models/) and llama.cpp's outputs on them.
+
+/// A file of `fixtures/models/`.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/models")).join(name)
+}
+
+pub fn expected(name: &str) -> Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(fixture(&format!("tiny-{name}.expected.json"))).unwrap(),
+    )
+    .unwrap()
+}
+
+pub fn load<B: ToyBackend>(name: &str, device: &B::Device) -> (GgufFile, String, Model<B>) {
+    let file = GgufFile::open(fixture(&format!("tiny-{name}.gguf"))).unwrap();
+    let (config, model) = load_model::<B>(&file, device, |_, _| {}).unwrap();
+    (file, config.architecture, model)
+}
+
+/// Largest |toy - llama.cpp| over llama.cpp's top-8 logits at every position of every prompt.
+pub fn logit_deviation<B: ToyBackend>(
+    model: &impl CausalLm<B>,
+    expected: &Value,
+    device: &B::Device,
+) -> f64 {
+    let mut worst = 0.0f64;
+    for case in expected["logits"].as_array().unwrap() {
+        let prompt: Vec<i64> = ids(&case["ids"]).into_iter().map(i64::from).collect();
+        let n = prompt.len();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(prompt, [1, n]), device);
+        let logits = model
+            .forward(tokens, &mut model.new_cache())
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .unwrap();
+        let vocab = logits.len() / n;
+        for p in case["positions"].as_array().unwrap() {
+            let pos = p["pos"].as_u64().unwrap() as usize;
+            for pair in p["top"].as_array().unwrap() {
+                let (id, want) = (
+                    pair[0].as_u64().unwrap() as usize,
+                    pair[1].as_f64().unwrap(),
+                );
+                worst = worst.max((logits[pos * vocab + id] as f64 - want).abs());
+            }
+        }
+    }
+    worst
+}
+
