@@ -49,6 +49,54 @@ impl GgmlIsa {
     }
 }
 
+/// The instruction sets toy's CPU kernels use: the best this CPU has, or a lower level forced
+/// with `TOY_CPU` (`scalar`, `avx2`, `avx512`) so that every path can be tested on one machine.
+/// It changes speed only, never a result: every path computes the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CpuLevel {
+    /// Portable Rust (what runs off x86-64).
+    Scalar,
+    /// AVX2, FMA and F16C.
+    Avx2,
+    /// AVX-512 (F, BW, VL, VNNI) on top of AVX2.
+    Avx512,
+}
+
+/// The level in use (see [`CpuLevel`]); read once.
+pub fn cpu_level() -> CpuLevel {
+    static LEVEL: std::sync::OnceLock<CpuLevel> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let best = detect_cpu_level();
+        match std::env::var("TOY_CPU").as_deref() {
+            Ok("scalar") => CpuLevel::Scalar,
+            Ok("avx2") => best.min(CpuLevel::Avx2),
+            _ => best,
+        }
+    })
+}
+
+fn detect_cpu_level() -> CpuLevel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let has = |f: &str| match f {
+            "avx2" => std::is_x86_feature_detected!("avx2"),
+            "fma" => std::is_x86_feature_detected!("fma"),
+            "f16c" => std::is_x86_feature_detected!("f16c"),
+            "avx512f" => std::is_x86_feature_detected!("avx512f"),
+            "avx512bw" => std::is_x86_feature_detected!("avx512bw"),
+            "avx512vl" => std::is_x86_feature_detected!("avx512vl"),
+            _ => std::is_x86_feature_detected!("avx512vnni"),
+        };
+        if ["avx2", "fma", "f16c"].iter().all(|f| has(f)) {
+            if ["avx512f", "avx512bw", "avx512vl", "avx512vnni"].iter().all(|f| has(f)) {
+                return CpuLevel::Avx512;
+            }
+            return CpuLevel::Avx2;
+        }
+    }
+    CpuLevel::Scalar
+}
+
 /// 0 until chosen: then `GgmlIsa::code`.
 static GGML_ISA: AtomicU8 = AtomicU8::new(0);
 
@@ -129,6 +177,31 @@ impl ToyBackend for Flex {
             Some(ops) => ops.run(),
             None => reference::packed_matmul::<Self>(x, w),
         }
+    }
+
+    fn packed_matmul_backward(dy: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
+        let dy = dy.to_contiguous();
+        let (Some(host), Some((dys, [m, n]))) = (HostWeight::new(&w), matrix(&dy)) else {
+            return reference::packed_matmul_backward::<Self>(dy, w);
+        };
+        if n != host.view().rows || dy.dtype() != DType::F32 {
+            return reference::packed_matmul_backward::<Self>(dy, w);
+        }
+        let dx = packed_backward(dys, m, &host.view());
+        FlexTensor::from_data(TensorData::new(dx, [m, w.cols]))
+    }
+
+    fn packed_dequantize(w: PackedTensor<Self>) -> FloatTensor<Self> {
+        let Some(host) = HostWeight::new(&w) else {
+            return reference::packed_dequantize::<Self>(w).into_primitive().tensor();
+        };
+        let v = host.view();
+        let mut out = vec![0.0f32; v.rows * v.cols];
+        out.par_chunks_mut(v.cols * 64).enumerate().for_each(|(c, rows)| {
+            let r0 = c * 64;
+            rows.copy_from_slice(&dequantize_rows(&v, r0..r0 + rows.len() / v.cols));
+        });
+        FlexTensor::from_data(TensorData::new(out, [v.rows, v.cols]))
     }
 
     fn packed_rows(w: PackedTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
@@ -565,6 +638,8 @@ mod attention;
 #[cfg(test)]
 mod avx2_fixture_tests;
 mod blocks;
+#[cfg(target_arch = "x86_64")]
+mod blocks_avx2;
 mod elementwise;
 #[cfg(target_arch = "x86_64")]
 mod grad;

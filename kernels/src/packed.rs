@@ -254,8 +254,12 @@ pub fn dequantize_rows(p: &HostPackedView<'_>, ids: impl IntoIterator<Item = usi
     let mut out = Vec::new();
     let mut row = vec![0.0f32; p.cols];
     for r in ids {
-        let bytes = gguf_row(p, r);
-        toy_quant::dequantize(p.ty, &bytes, &mut row).expect("a packed row is whole blocks");
+        let result = if is_split(p.ty) {
+            toy_quant::dequantize(p.ty, &gguf_row(p, r), &mut row)
+        } else {
+            toy_quant::dequantize(p.ty, row_bytes(p.ty, p.cols, p.words, r), &mut row)
+        };
+        result.expect("a packed row is whole blocks");
         out.extend_from_slice(&row);
     }
     out

@@ -23,12 +23,13 @@
 
 mod common;
 
-use common::{expected, ids, load, logit_deviation};
+use common::{expected, fixture, ids, load, logit_deviation};
 
 use burn::backend::Flex;
-use serde_json::Value;
+use toy_core::gguf::GgufFile;
 use toy_core::tokenizer::Tokenizer;
 use toy_kernels::ToyBackend;
+use toy_models::{Model, load_model};
 
 
 /// Q8_0 fixtures: bit-exact arithmetic, so the oracle's print precision.

@@ -254,7 +254,9 @@ mod attn512 {
     use super::{HeadLoops, attend_head_impl, weighted_sum_tail_columns};
 
     pub(super) fn available() -> bool {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")
+        super::cpu_level() >= super::CpuLevel::Avx512
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("fma")
     }
 
     struct Avx512;

@@ -631,8 +631,8 @@ pub(super) fn form(ty: GgmlType, repacked: bool, i: usize, m: usize) -> Form {
 enum ActRow {
     Q8(QuantRow),
     Q8K(Vec<Q8K>),
-    /// f16- or bf16-rounded values, widened back to f32 (exact).
-    Half(Vec<f32>),
+    /// f16- or bf16-rounded values, as the GGUF bytes of that type.
+    Half(Vec<u8>),
 }
 
 fn activation(ty: GgmlType, x: &[f32], form: Form) -> ActRow {
@@ -640,12 +640,8 @@ fn activation(ty: GgmlType, x: &[f32], form: Form) -> ActRow {
         GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::IQ4NL | GgmlType::Q4_0 => {
             ActRow::Q8(quantize_row(x))
         }
-        GgmlType::F16 => ActRow::Half(x.iter().map(|&v| f16::from_f32(v).to_f32()).collect()),
-        GgmlType::BF16 => ActRow::Half(
-            x.iter()
-                .map(|&v| f32::from_bits((f32_to_bf16(v) as u32) << 16))
-                .collect(),
-        ),
+        GgmlType::F16 => ActRow::Half(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect()),
+        GgmlType::BF16 => ActRow::Half(x.iter().flat_map(|&v| f32_to_bf16(v).to_le_bytes()).collect()),
         _ => ActRow::Q8K(quantize_q8_k(x, form == Form::Gemm)),
     }
 }
@@ -663,7 +659,8 @@ fn half_row(ty: GgmlType, w: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// One output: weight row `w` (GGUF bytes) against one activation row.
+/// One output: weight row `w` (GGUF bytes) against one activation row — the scalar
+/// specification.
 fn dot(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
     match (ty, x) {
         (_, ActRow::Q8K(y)) if form == Form::Tiled => dot_tiled(ty, w, y),
@@ -688,14 +685,65 @@ fn dot(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
         (GgmlType::IQ4NL, ActRow::Q8(y)) => dot_iq4_nl(w, y, form == Form::TinyBlas),
         (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) => {
             let w = half_row(ty, w);
+            let y = half_row(ty, y);
             match (form, ty) {
-                (Form::TinyBlas, _) => dot_half_tinyblas(&w, y, isa),
-                (_, GgmlType::F16) => dot_f16_vec(&w, y, isa),
-                _ => dot_bf16_vec(&w, y, isa),
+                (Form::TinyBlas, _) => dot_half_tinyblas(&w, &y, isa),
+                (_, GgmlType::F16) => dot_f16_vec(&w, &y, isa),
+                _ => dot_bf16_vec(&w, &y, isa),
             }
         }
         _ => unreachable!("{ty} with the wrong activation kind"),
     }
+}
+
+/// [`dot`] with AVX2: the same bits. The 16-bit dots of the AVX-512 build (16 lanes) have no
+/// AVX2 form here and take the specification.
+#[cfg(target_arch = "x86_64")]
+fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
+    use super::blocks_avx2 as v;
+    // SAFETY: only called after `blocks_avx2::available()`.
+    unsafe {
+        match (ty, x) {
+            (_, ActRow::Q8K(y)) if form == Form::Tiled => v::dot_tiled(ty, w, y),
+            (GgmlType::Q2K, ActRow::Q8K(y)) => v::dot_q2_k(w, y),
+            (GgmlType::Q3K, ActRow::Q8K(y)) => v::dot_q3_k(w, y),
+            (GgmlType::Q4K, ActRow::Q8K(y)) => match form {
+                Form::Gemv => v::dot_q4_k_repacked(w, y, false),
+                Form::Gemm => v::dot_q4_k_repacked(w, y, true),
+                _ => v::dot_q45_k(w, y, false),
+            },
+            (GgmlType::Q5K, ActRow::Q8K(y)) => v::dot_q45_k(w, y, true),
+            (GgmlType::Q6K, ActRow::Q8K(y)) => v::dot_q6_k(w, y),
+            (GgmlType::IQ4XS, ActRow::Q8K(y)) => v::dot_iq4_xs(w, y),
+            (GgmlType::Q5_0, ActRow::Q8(y)) => v::dot_q5_0(w, y),
+            (GgmlType::Q5_1, ActRow::Q8(y)) => v::dot_q5_1(w, y),
+            (GgmlType::IQ4NL, ActRow::Q8(y)) if form == Form::Gemv => v::dot_repacked_32(
+                w.len() / 18,
+                y,
+                |i| v::iq4_values_at(&w[18 * i + 2..]),
+                |i| f16_at(w, 18 * i),
+            ),
+            (GgmlType::IQ4NL, ActRow::Q8(y)) => v::dot_iq4_nl(w, y, form == Form::TinyBlas),
+            (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) if isa == GgmlIsa::Avx2 => {
+                let bf16 = ty == GgmlType::BF16;
+                if form == Form::TinyBlas {
+                    v::dot_half_tinyblas(w, y, bf16)
+                } else {
+                    v::dot_half_vec(w, y, bf16)
+                }
+            }
+            _ => dot(ty, w, x, form, isa),
+        }
+    }
+}
+
+/// The fastest `dot` this CPU has.
+fn dot_impl() -> fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_level() >= super::CpuLevel::Avx2 {
+        return dot_avx2;
+    }
+    dot
 }
 
 /// `x[m, k] · Wᵀ` for a blocks-layout weight.
@@ -703,6 +751,7 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
     let (k, n, ty) = (w.cols, w.rows, w.ty);
     let isa = ggml_isa();
     let repacked = repacked(ty, n, repackable);
+    let dot: fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 = dot_impl();
     let forms: Vec<Form> = (0..m).map(|i| form(ty, repacked, i, m)).collect();
     let acts: Vec<ActRow> = x
         .par_chunks_exact(k)
@@ -723,4 +772,107 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
             }
         });
     transpose_columns(out_t, m, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(seed: u64) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        }
+    }
+
+    /// Random blocks of `ty` with finite f16 fields (the scales), every bit pattern elsewhere.
+    fn random_row(ty: GgmlType, blocks: usize, next: &mut impl FnMut() -> u32) -> Vec<u8> {
+        let size = ty.type_size();
+        let mut row: Vec<u8> = (0..blocks * size).map(|_| next() as u8).collect();
+        let finite = |next: &mut dyn FnMut() -> u32, signed: bool| {
+            let v = (next() % 2000) as f32 / 2000.0 * 0.05 + 1e-4;
+            let v = if signed && next() % 2 == 0 { -v } else { v };
+            f16::from_f32(v).to_le_bytes()
+        };
+        let fields: &[usize] = match ty {
+            GgmlType::Q2K => &[80, 82],
+            GgmlType::Q3K => &[108],
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q5_1 => &[0, 2],
+            GgmlType::Q6K => &[208],
+            _ => &[0],
+        };
+        if matches!(ty, GgmlType::F16 | GgmlType::BF16) {
+            for v in row.chunks_exact_mut(2) {
+                let x = (next() as f32 / u32::MAX as f32 - 0.5) * 4.0;
+                v.copy_from_slice(&if ty == GgmlType::F16 {
+                    f16::from_f32(x).to_le_bytes()
+                } else {
+                    f32_to_bf16(x).to_le_bytes()
+                });
+            }
+            return row;
+        }
+        for b in row.chunks_exact_mut(size) {
+            for &f in fields {
+                b[f..f + 2].copy_from_slice(&finite(next, f == 0 || f == 80 || f == 108 || f == 208));
+            }
+        }
+        row
+    }
+
+    /// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9
+    /// super-blocks (odd block counts exercise IQ4_NL's scalar last block).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_dots_are_bit_identical_to_the_spec() {
+        if super::super::cpu_level() < super::super::CpuLevel::Avx2 {
+            return;
+        }
+        let mut next = rng(7);
+        let types = [
+            GgmlType::Q2K,
+            GgmlType::Q3K,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+            GgmlType::IQ4XS,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::IQ4NL,
+            GgmlType::F16,
+            GgmlType::BF16,
+        ];
+        let forms = [Form::VecDot, Form::Gemv, Form::Gemm, Form::TinyBlas, Form::Tiled];
+        let mut checked = 0;
+        for ty in types {
+            for sb in [1usize, 2, 3, 9] {
+                let k = sb * QK_K;
+                let w = random_row(ty, k / ty.block_size(), &mut next);
+                let x: Vec<f32> = (0..k)
+                    .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 6.0)
+                    .collect();
+                for form in forms {
+                    let valid = match form {
+                        Form::Gemv => matches!(ty, GgmlType::Q4K | GgmlType::IQ4NL),
+                        Form::Gemm => ty == GgmlType::Q4K,
+                        Form::TinyBlas => matches!(ty, GgmlType::IQ4NL | GgmlType::F16 | GgmlType::BF16),
+                        Form::Tiled => ty.block_size() == QK_K,
+                        Form::VecDot => true,
+                    };
+                    if !valid {
+                        continue;
+                    }
+                    let act = activation(ty, &x, form);
+                    let want = dot(ty, &w, &act, form, GgmlIsa::Avx2);
+                    let got = dot_avx2(ty, &w, &act, form, GgmlIsa::Avx2);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} {form:?} {sb} super-blocks: {got} vs {want}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 60, "{checked}");
+    }
 }

@@ -53,6 +53,51 @@ pub(super) unsafe fn product(
     }
 }
 
+/// `dst[m, n] += lhs[m, k] · rhs[k, n]` (row-major `dst`), on rayon's threads when large.
+pub(super) fn add_product(dst: &mut [f32], m: usize, n: usize, k: usize, lhs: Operand, rhs: Operand) {
+    assert_eq!(dst.len(), m * n);
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let in_bounds = |(data, cs, rs): Operand, rows: usize, cols: usize| {
+        assert!(
+            (rows - 1) * rs + (cols - 1) * cs < data.len(),
+            "product operand out of bounds"
+        )
+    };
+    in_bounds(lhs, m, k);
+    in_bounds(rhs, k, n);
+    let parallelism = if m * n * k >= 192 * 192 * 192 {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: `dst` holds the `m·n` elements (asserted) and the operands are in bounds.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            true,
+            lhs.0.as_ptr(),
+            lhs.1 as isize,
+            lhs.2 as isize,
+            rhs.0.as_ptr(),
+            rhs.1 as isize,
+            rhs.2 as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
 /// `lhs[m, k] · rhs[k, n]` into a new row-major `[m, n]` buffer, on rayon's threads when the
 /// product is large (burn-flex's threshold: `m·n·k ≥ 192³`).
 pub(super) fn new_product(m: usize, n: usize, k: usize, lhs: Operand, rhs: Operand) -> Vec<f32> {

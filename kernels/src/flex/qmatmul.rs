@@ -220,7 +220,7 @@ pub(super) type Dot4Fn = fn(Format, &QuantRow, [&[u8]; 4], [&[f32]; 4], [&[f32];
 /// The fastest implementation this CPU has (chosen once per matmul, not per element).
 pub(super) fn dot4_impl() -> Dot4Fn {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if cpu_level() >= CpuLevel::Avx2 {
         // SAFETY: the CPU has the features `avx2::dot4` is compiled for; callers pass whole blocks.
         return |format, x, w, s, m| unsafe { avx2::dot4(format, x, w, s, m) };
     }
@@ -336,6 +336,21 @@ impl Operands {
     }
 }
 
+/// `dy[m, n] · dequant(W)[n, k]` (the activations' gradient of a packed matmul): the weight is
+/// widened 256 rows at a time, so no f32 copy of all of it exists.
+pub(super) fn packed_backward(dy: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
+    const ROWS: usize = 256;
+    let (n, k) = (w.rows, w.cols);
+    let mut dx = vec![0.0f32; m * k];
+    for r0 in (0..n).step_by(ROWS) {
+        let r1 = (r0 + ROWS).min(n);
+        let chunk = dequantize_rows(w, r0..r1);
+        // dx += dy[:, r0..r1] · chunk[r1 - r0, k]
+        linear::add_product(&mut dx, m, k, r1 - r0, (&dy[r0..], 1, n), (&chunk, 1, k));
+    }
+    dx
+}
+
 /// `x[m, k] · Wᵀ` for a Q8_0/Q4_0/Q4_1 weight in the split layout.
 fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
     let (k, n) = (w.cols, w.rows);
@@ -398,10 +413,19 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
     let (nb, row_bytes) = (k / BLOCK, k / 2);
     let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
     let mut out_t = vec![0.0f32; n * m];
+    let fast = cpu_level() >= CpuLevel::Avx2;
     out_t.par_chunks_mut(m).enumerate().for_each(|(j, col)| {
         let wq = &bytes[j * row_bytes..(j + 1) * row_bytes];
         let ws = &w.scales[j * nb..(j + 1) * nb];
         for (o, row) in col.iter_mut().zip(&rows) {
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+                *o = unsafe {
+                    blocks_avx2::dot_repacked_32(nb, row, |b| blocks_avx2::q4_0_values(&wq[16 * b..]), |b| ws[b])
+                };
+                continue;
+            }
             *o = blocks::dot_repacked_32(nb, row, |b, i| weight_quant(Format::Q4_0, &wq[16 * b..], i), |b| ws[b]);
         }
     });

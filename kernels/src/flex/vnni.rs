@@ -23,7 +23,8 @@ use crate::packed::BLOCK;
 
 /// Can this CPU run this module's kernels?
 pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
+    super::cpu_level() >= super::CpuLevel::Avx512
+        && is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni")

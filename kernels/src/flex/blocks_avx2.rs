@@ -1,0 +1,564 @@
+//! AVX2 versions of the dot products of `blocks.rs`: the same bits, faster.
+//!
+//! The integer parts are exact whatever instructions compute them, as long as each of ggml's
+//! eight i32 lanes receives the same products (lane `l` of a 32-value group takes values
+//! `4l..4l + 4`) and no 16-bit intermediate saturates — which the operand ranges below guarantee
+//! (`maddubs` of an unsigned weight ≤ 63 by an i8 activation, pairs ≤ 2 · 63 · 128 < 2¹⁵). The
+//! float parts are ggml's operations in ggml's order. Every function is tested against its
+//! scalar specification on random blocks (`tests` below) and both against llama.cpp's outputs
+//! (`tests/ggml_kernels.rs`).
+//!
+//! Callers must have checked that `cpu_level()` is at least AVX2 (which includes FMA and F16C).
+
+use std::arch::x86_64::*;
+
+use super::blocks::Q8K;
+use super::qmatmul::QuantRow;
+use crate::packed::BLOCK;
+use toy_quant::IQ4_GRID;
+
+#[inline(always)]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// ggml's `hsum_float_8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_float_8(x: __m256) -> f32 {
+    let mut res = _mm256_extractf128_ps(x, 1);
+    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
+    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+    res = _mm_add_ss(res, _mm_movehdup_ps(res));
+    _mm_cvtss_f32(res)
+}
+
+/// The sum of the 8 i32 lanes (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_i32_8(a: __m256i) -> i32 {
+    let sum128 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    let hi64 = _mm_unpackhi_epi64(sum128, sum128);
+    let sum64 = _mm_add_epi32(hi64, sum128);
+    let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
+    _mm_cvtsi128_si32(_mm_add_epi32(sum64, hi32))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load256(p: &[u8]) -> __m256i {
+    assert!(p.len() >= 32);
+    // SAFETY: 32 bytes are in bounds (asserted); unaligned loads are allowed.
+    unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load128(p: &[u8]) -> __m128i {
+    assert!(p.len() >= 16);
+    // SAFETY: as `load256`.
+    unsafe { _mm_loadu_si128(p.as_ptr() as *const __m128i) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load_q8(q: &[i8]) -> __m256i {
+    assert!(q.len() >= 32);
+    // SAFETY: as `load256`.
+    unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) }
+}
+
+/// i16 `lo` in the low 128 bits, `hi` in the high ones, each broadcast.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_pair(lo: i32, hi: i32) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+}
+
+/// `maddubs(u, s)` then `madd` by 16-bit `scales`: 8 i32 lanes, lane `l` = Σ over bytes `4l..4l+4`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scaled_lanes(u: __m256i, s: __m256i, scales: __m256i) -> __m256i {
+    _mm256_madd_epi16(scales, _mm256_maddubs_epi16(u, s))
+}
+
+/// Q4_K/Q5_K's 8 six-bit scales and 8 mins (`get_scale_min_k4`).
+#[inline(always)]
+fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
+    let mut sc = [0; 8];
+    let mut mn = [0; 8];
+    for j in 0..8 {
+        let (a, b) = if j < 4 {
+            (s[j] & 63, s[j + 4] & 63)
+        } else {
+            ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+        };
+        sc[j] = a as i32;
+        mn[j] = b as i32;
+    }
+    (sc, mn)
+}
+
+fn scales_q3_k(s: &[u8]) -> [i32; 16] {
+    std::array::from_fn(|k| {
+        let low = if k < 8 { s[k] & 0x0F } else { s[k - 8] >> 4 };
+        let high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+        (low | (high << 4)) as i32 - 32
+    })
+}
+
+/// Q2_K's scaled integer lanes (without the offsets).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q2k_lanes(b: &[u8], y: &Q8K) -> __m256i {
+    let (sc, qs) = (&b[0..16], &b[16..80]);
+    let m3 = _mm256_set1_epi8(3);
+    let mut sumi = _mm256_setzero_si256();
+    for j in 0..2 {
+        let bits = load256(&qs[32 * j..]);
+        for t in 0..4 {
+            let q = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_set1_epi32(2 * t as i32)), m3);
+            let s = scale_pair((sc[8 * j + 2 * t] & 0x0F) as i32, (sc[8 * j + 2 * t + 1] & 0x0F) as i32);
+            let y8 = load_q8(&y.qs[128 * j + 32 * t..]);
+            sumi = _mm256_add_epi32(sumi, scaled_lanes(q, y8, s));
+        }
+    }
+    sumi
+}
+
+/// Q3_K's scaled integer lanes (values `low - 4` where the high bit is clear): two `maddubs`,
+/// one of the low 2 bits and one of the 4 subtracted, as ggml does (both unsigned ≤ 4).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q3k_lanes(b: &[u8], y: &Q8K) -> __m256i {
+    let (hmask, qs) = (load256(&b[0..32]), &b[32..96]);
+    let sc = scales_q3_k(&b[96..108]);
+    let (m3, one) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+    let mut sumi = _mm256_setzero_si256();
+    for j in 0..2 {
+        let bits = load256(&qs[32 * j..]);
+        for t in 0..4 {
+            let bit = (4 * j + t) as i32;
+            let low = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_set1_epi32(2 * t as i32)), m3);
+            // 4 where the high bit is clear, else 0.
+            let set = _mm256_and_si256(_mm256_srlv_epi32(hmask, _mm256_set1_epi32(bit)), one);
+            let high = _mm256_slli_epi16(_mm256_xor_si256(set, one), 2);
+            let y8 = load_q8(&y.qs[128 * j + 32 * t..]);
+            let p = _mm256_sub_epi16(_mm256_maddubs_epi16(low, y8), _mm256_maddubs_epi16(high, y8));
+            let s = scale_pair(sc[8 * j + 2 * t], sc[8 * j + 2 * t + 1]);
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s, p));
+        }
+    }
+    sumi
+}
+
+/// Q4_K's (or with `qh` Q5_K's) scaled integer lanes per 64 values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q45k_lanes64(qs: &[u8], qh: Option<&[u8]>, sc: &[i32; 8], y: &Q8K) -> [__m256i; 4] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    let hbits = qh.map(|h| load256(h));
+    std::array::from_fn(|j| {
+        let bits = load256(&qs[32 * j..]);
+        let mut lo = _mm256_and_si256(bits, m4);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        if let Some(h) = hbits {
+            let h_lo = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(2 * j as i32)), one);
+            let h_hi = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(2 * j as i32 + 1)), one);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(h_lo, 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(h_hi, 4));
+        }
+        let p_lo = scaled_lanes(lo, load_q8(&y.qs[64 * j..]), _mm256_set1_epi16(sc[2 * j] as i16));
+        let p_hi = scaled_lanes(hi, load_q8(&y.qs[64 * j + 32..]), _mm256_set1_epi16(sc[2 * j + 1] as i16));
+        _mm256_add_epi32(p_lo, p_hi)
+    })
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum4(v: [__m256i; 4]) -> __m256i {
+    _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]))
+}
+
+/// Q6_K's scaled integer lanes with the offset of 32 taken out per lane through the
+/// activations' 16-value sums, as ggml's AVX2 code does.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
+    let (ql, qh) = (&b[0..128], &b[128..192]);
+    let sc: [i32; 16] = std::array::from_fn(|i| b[192 + i] as i8 as i32);
+    let (m15, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
+    let mut sumi = _mm256_setzero_si256();
+    for j in 0..2 {
+        let b1 = load256(&ql[64 * j..]);
+        let b2 = load256(&ql[64 * j + 32..]);
+        let h = load256(&qh[32 * j..]);
+        let high = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(shift)), m3), 4);
+        let q = [
+            _mm256_or_si256(_mm256_and_si256(b1, m15), high(0)),
+            _mm256_or_si256(_mm256_and_si256(b2, m15), high(2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), high(4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high(6)),
+        ];
+        for (t, q) in q.into_iter().enumerate() {
+            let s = scale_pair(sc[8 * j + 2 * t], sc[8 * j + 2 * t + 1]);
+            sumi = _mm256_add_epi32(sumi, scaled_lanes(q, load_q8(&y.qs[128 * j + 32 * t..]), s));
+        }
+    }
+    let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
+    let sc16 = _mm256_cvtepi8_epi16(load128(&b[192..208]));
+    _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5))
+}
+
+/// 32 IQ4 grid values of a block's 16 nibble bytes: low nibbles (values 0..16), then high ones.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_values(qs: &[u8]) -> __m256i {
+    let grid = unsafe { _mm_loadu_si128(IQ4_GRID.as_ptr() as *const __m128i) };
+    let m4 = _mm_set1_epi8(0x0F);
+    let bits = load128(qs);
+    _mm256_set_m128i(
+        _mm_shuffle_epi8(grid, _mm_and_si128(_mm_srli_epi16(bits, 4), m4)),
+        _mm_shuffle_epi8(grid, _mm_and_si128(bits, m4)),
+    )
+}
+
+/// Lanes of signed `x · y` products (ggml's `mul_add_epi8` then `madd` by ones).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed_lanes(x: __m256i, y: __m256i) -> __m256i {
+    let p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+}
+
+/// IQ4_XS's scaled integer lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4xs_lanes(b: &[u8], y: &Q8K) -> __m256i {
+    let sh = u16::from_le_bytes([b[2], b[3]]) as i32;
+    let (sl, qs) = (&b[4..8], &b[8..136]);
+    let mut sumi = _mm256_setzero_si256();
+    for ib in 0..8 {
+        let ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32 | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+        let x = iq4_values(&qs[16 * ib..]);
+        let y8 = load_q8(&y.qs[32 * ib..]);
+        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y8, x));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(ls as i16)));
+    }
+    sumi
+}
+
+fn q8_sums32(y: &Q8K) -> [i32; 8] {
+    std::array::from_fn(|k| y.bsums[2 * k] as i32 + y.bsums[2 * k + 1] as i32)
+}
+
+/// `ggml_vec_dot_q2_K_q8_K`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q2_k(w: &[u8], x: &[Q8K]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, y) in w.chunks_exact(84).zip(x) {
+        let d = y.d * f16_at(b, 80);
+        let dmin = -y.d * f16_at(b, 82);
+        let mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(load128(&b[0..16]), 4), _mm_set1_epi8(0x0F)));
+        let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
+        let prod = _mm256_madd_epi16(mins, bsums);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(prod), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q2k_lanes(b, y)), acc);
+    }
+    hsum_float_8(acc)
+}
+
+/// `ggml_vec_dot_q3_K_q8_K`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q3_k(w: &[u8], x: &[Q8K]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, y) in w.chunks_exact(110).zip(x) {
+        let d = y.d * f16_at(b, 108);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q3k_lanes(b, y)), acc);
+    }
+    hsum_float_8(acc)
+}
+
+/// `ggml_vec_dot_q4_K_q8_K` (`qh`: Q5_K's `ggml_vec_dot_q5_K_q8_K`, whose offsets are summed
+/// in a scalar instead of four lanes).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q45_k(w: &[u8], x: &[Q8K], q5: bool) -> f32 {
+    let bytes = if q5 { 176 } else { 144 };
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = _mm_setzero_ps();
+    let mut summs = 0.0f32;
+    for (b, y) in w.chunks_exact(bytes).zip(x) {
+        let d = y.d * f16_at(b, 0);
+        let dmin = -y.d * f16_at(b, 2);
+        let (sc, mn) = scales_k4(&b[4..16]);
+        let q8s = q8_sums32(y);
+        let prod: [i32; 4] = std::array::from_fn(|l| mn[2 * l] * q8s[2 * l] + mn[2 * l + 1] * q8s[2 * l + 1]);
+        if q5 {
+            summs = dmin.mul_add(prod.iter().sum::<i32>() as f32, summs);
+        } else {
+            let p = _mm_set_epi32(prod[3], prod[2], prod[1], prod[0]);
+            acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(p), acc_m);
+        }
+        let lanes = if q5 {
+            sum4(q45k_lanes64(&b[48..176], Some(&b[16..48]), &sc, y))
+        } else {
+            sum4(q45k_lanes64(&b[16..144], None, &sc, y))
+        };
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    if q5 {
+        return hsum_float_8(acc) + summs;
+    }
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    hsum_float_8(acc) + _mm_cvtss_f32(acc_m)
+}
+
+/// Q4_K through llama.cpp's repacked kernels (see `blocks::dot_q4_k_repacked`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q4_k_repacked(w: &[u8], x: &[Q8K], per_64: bool) -> f32 {
+    let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
+    for (b, y) in w.chunks_exact(144).zip(x) {
+        let (dw, dmw) = (f16_at(b, 0), f16_at(b, 2));
+        let (sc, mn) = scales_k4(&b[4..16]);
+        let q8s = q8_sums32(y);
+        let parts = q45k_lanes64(&b[16..144], None, &sc, y);
+        let (scale, scale_min) = (dw * y.d, dmw * y.d);
+        if per_64 {
+            for (sb, p) in parts.into_iter().enumerate() {
+                let imin = mn[2 * sb] * q8s[2 * sb] + mn[2 * sb + 1] * q8s[2 * sb + 1];
+                acc = (hsum_i32_8(p) as f32).mul_add(scale, acc);
+                acc_min = (imin as f32).mul_add(scale_min, acc_min);
+            }
+        } else {
+            let imin: i32 = (0..8).map(|k| mn[k] * q8s[k]).sum();
+            acc = (hsum_i32_8(sum4(parts)) as f32).mul_add(scale, acc);
+            acc_min = (imin as f32).mul_add(scale_min, acc_min);
+        }
+    }
+    acc - acc_min
+}
+
+/// `ggml_vec_dot_q6_K_q8_K`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q6_k(w: &[u8], x: &[Q8K]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, y) in w.chunks_exact(210).zip(x) {
+        let d = y.d * f16_at(b, 208);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q6k_lanes(b, y)), acc);
+    }
+    hsum_float_8(acc)
+}
+
+/// `ggml_vec_dot_iq4_xs_q8_K`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_iq4_xs(w: &[u8], x: &[Q8K]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, y) in w.chunks_exact(136).zip(x) {
+        let d = f16_at(b, 0) * y.d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(iq4xs_lanes(b, y)), acc);
+    }
+    hsum_float_8(acc)
+}
+
+/// The tiled kernel's form (see `blocks::dot_tiled`), from the exact lane totals.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_tiled(ty: toy_quant::GgmlType, w: &[u8], x: &[Q8K]) -> f32 {
+    use toy_quant::GgmlType as T;
+    let mut acc = 0.0f32;
+    for (b, y) in w.chunks_exact(ty.type_size()).zip(x) {
+        let (d, dmin, s1, s2) = match ty {
+            T::Q2K => {
+                let s2: i32 = (0..16).map(|k| (b[k] >> 4) as i32 * y.bsums[k] as i32).sum();
+                (f16_at(b, 80), f16_at(b, 82), hsum_i32_8(q2k_lanes(b, y)), s2)
+            }
+            T::Q3K => (f16_at(b, 108), 0.0, hsum_i32_8(q3k_lanes(b, y)), 0),
+            T::Q4K | T::Q5K => {
+                let (sc, mn) = scales_k4(&b[4..16]);
+                let q8s = q8_sums32(y);
+                let s2 = (0..8).map(|k| mn[k] * q8s[k]).sum();
+                let lanes = if ty == T::Q5K {
+                    sum4(q45k_lanes64(&b[48..176], Some(&b[16..48]), &sc, y))
+                } else {
+                    sum4(q45k_lanes64(&b[16..144], None, &sc, y))
+                };
+                (f16_at(b, 0), f16_at(b, 2), hsum_i32_8(lanes), s2)
+            }
+            T::Q6K => (f16_at(b, 208), 0.0, hsum_i32_8(q6k_lanes(b, y)), 0),
+            _ => (f16_at(b, 0), 0.0, hsum_i32_8(iq4xs_lanes(b, y)), 0),
+        };
+        let mut r = d * s1 as f32;
+        if matches!(ty, T::Q2K | T::Q4K | T::Q5K) {
+            r = (-dmin).mul_add(s2 as f32, r);
+        }
+        acc = r.mul_add(y.d, acc);
+    }
+    acc
+}
+
+/// 32 Q5_0/Q5_1 values of a block (nibbles with their fifth bit from `qh`), unsigned 0..32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q5_values(qs: &[u8], qh: u32) -> __m256i {
+    let bits = load128(qs);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bits, 4), bits), m4);
+    // Byte j gets bit j of qh (ggml's bytes_from_bits_32), as 0x10.
+    let shuf = _mm256_set_epi64x(
+        0x0303030303030303,
+        0x0202020202020202,
+        0x0101010101010101,
+        0x0000000000000000,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), shuf);
+    let mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1));
+    _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+}
+
+/// `ggml_vec_dot_q5_0_q8_0`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q5_0(w: &[u8], x: &QuantRow) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let sixteen = _mm256_set1_epi8(16);
+    for (i, b) in w.chunks_exact(22).enumerate() {
+        let d = f16_at(b, 0) * x.scales[i];
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let q = _mm256_sub_epi8(q5_values(&b[6..22], qh), sixteen);
+        let p = signed_lanes(q, load_q8(&x.quants[BLOCK * i..]));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
+    }
+    hsum_float_8(acc)
+}
+
+/// `ggml_vec_dot_q5_1_q8_1`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q5_1(w: &[u8], x: &QuantRow) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0.0f32;
+    for (i, b) in w.chunks_exact(24).enumerate() {
+        let (dx, m) = (f16_at(b, 0), f16_at(b, 2));
+        summs = m.mul_add(x.sums[i], summs);
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let q = q5_values(&b[8..24], qh);
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load_q8(&x.quants[BLOCK * i..])), _mm256_set1_epi16(1));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * x.scales[i]), acc);
+    }
+    hsum_float_8(acc) + summs
+}
+
+/// IQ4_NL (see `blocks::dot_iq4_nl`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
+    let nb = w.len() / 18;
+    let block = |i: usize| -> (f32, __m256) {
+        let b = &w[18 * i..18 * i + 18];
+        let d = x.scales[i] * f16_at(b, 0);
+        (d, _mm256_cvtepi32_ps(signed_lanes(iq4_values(&b[2..18]), load_q8(&x.quants[BLOCK * i..]))))
+    };
+    if tinyblas {
+        let mut acc = _mm256_setzero_ps();
+        for i in 0..nb {
+            let (d, p) = block(i);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
+        }
+        return hsum_float_8(acc);
+    }
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let pairs = nb / 2 * 2;
+    for i in 0..pairs {
+        let (d, p) = block(i);
+        acc[i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc[i % 2]);
+    }
+    let mut sumf = hsum_float_8(_mm256_add_ps(acc[0], acc[1]));
+    if pairs < nb {
+        let b = &w[18 * pairs..18 * pairs + 18];
+        let d = x.scales[pairs] * f16_at(b, 0);
+        let isum = hsum_i32_8(signed_lanes(iq4_values(&b[2..18]), load_q8(&x.quants[BLOCK * pairs..])));
+        sumf = d.mul_add(isum as f32, sumf);
+    }
+    sumf
+}
+
+/// IQ4_NL or Q4_0 values of block `i` for the repacked kernels' exact block sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_repacked_32(nb: usize, x: &QuantRow, values: impl Fn(usize) -> __m256i, dw: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = 0.0f32;
+    for i in 0..nb {
+        let isum = hsum_i32_8(signed_lanes(values(i), load_q8(&x.quants[BLOCK * i..])));
+        acc = (isum as f32).mul_add(dw(i) * x.scales[i], acc);
+    }
+    acc
+}
+
+/// Q4_0 block values: nibbles − 8 (low nibbles first).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q4_0_values(qs: &[u8]) -> __m256i {
+    let bits = load128(qs);
+    let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bits, 4), bits), _mm256_set1_epi8(0x0F));
+    _mm256_sub_epi8(nib, _mm256_set1_epi8(8))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn iq4_values_at(qs: &[u8]) -> __m256i {
+    iq4_values(qs)
+}
+
+/// 8 f16 or bf16 values widened to f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load_half8(p: &[u8], bf16: bool) -> __m256 {
+    let v = load128(p);
+    if bf16 {
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16))
+    } else {
+        _mm256_cvtph_ps(v)
+    }
+}
+
+/// `ggml_vec_dot_f16` / `ggml_vec_dot_bf16` (AVX2 build) of a 16-bit weight row `w` (bytes) by
+/// activations already rounded to 16 bits, `y` (bytes of the same type).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_half_vec(w: &[u8], y: &[u8], bf16: bool) -> f32 {
+    let n = w.len() / 2;
+    let np = n / 32 * 32;
+    let mut sum = [_mm256_setzero_ps(); 4];
+    for i in (0..np).step_by(32) {
+        for (j, s) in sum.iter_mut().enumerate() {
+            let o = 2 * (i + 8 * j);
+            let (a, b) = (load_half8(&w[o..], bf16), load_half8(&y[o..], bf16));
+            // bf16's `add(mul)` and f16's FMA agree: the products are exact in f32.
+            *s = _mm256_fmadd_ps(a, b, *s);
+        }
+    }
+    let half = |b: &[u8], e: usize| {
+        let bits = u16::from_le_bytes([b[2 * e], b[2 * e + 1]]);
+        if bf16 { f32::from_bits((bits as u32) << 16) } else { half::f16::from_bits(bits).to_f32() }
+    };
+    let mut sumf = if bf16 {
+        let c = _mm256_add_ps(_mm256_add_ps(sum[0], sum[2]), _mm256_add_ps(sum[1], sum[3]));
+        hsum_float_8(c) as f64
+    } else {
+        let x0 = _mm256_add_ps(_mm256_add_ps(sum[0], sum[2]), _mm256_add_ps(sum[1], sum[3]));
+        let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps(x0, 1));
+        let t1 = _mm_hadd_ps(t0, t0);
+        _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64
+    };
+    for e in np..n {
+        sumf += (half(w, e) * half(y, e)) as f64;
+    }
+    sumf as f32
+}
+
+/// tinyBLAS<8> for 16-bit weights and activations: one 8-lane FMA accumulator, then `hsum`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_half_tinyblas(w: &[u8], y: &[u8], bf16: bool) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (a, b) in w.chunks_exact(16).zip(y.chunks_exact(16)) {
+        acc = _mm256_fmadd_ps(load_half8(a, bf16), load_half8(b, bf16), acc);
+    }
+    hsum_float_8(acc)
+}
