@@ -101,7 +101,8 @@ fn detect_cpu_level() -> CpuLevel {
 static GGML_ISA: AtomicU8 = AtomicU8::new(0);
 
 /// The llama.cpp build reproduced: `set_ggml_isa`'s choice, else `TOY_GGML_ISA` (`avx2` or
-/// `avx512`), else AVX-512.
+/// `avx512`), else the one llama.cpp runs on this CPU — AVX-512 where the CPU has AVX-512 F and DQ
+/// (unless `TOY_CPU` forces a lower level), AVX2 otherwise.
 pub fn ggml_isa() -> GgmlIsa {
     match GGML_ISA.load(Ordering::Relaxed) {
         1 => GgmlIsa::Avx2,
@@ -109,12 +110,24 @@ pub fn ggml_isa() -> GgmlIsa {
         _ => {
             let isa = match std::env::var("TOY_GGML_ISA").as_deref() {
                 Ok("avx2") => GgmlIsa::Avx2,
-                _ => GgmlIsa::Avx512,
+                Ok("avx512") => GgmlIsa::Avx512,
+                _ => host_ggml_isa(),
             };
             GGML_ISA.store(isa.code(), Ordering::Relaxed);
             isa
         }
     }
+}
+
+/// The build llama.cpp's x86 CPU backend picks for this CPU (see [`ggml_isa`]).
+fn host_ggml_isa() -> GgmlIsa {
+    let forced_down = matches!(std::env::var("TOY_CPU").as_deref(), Ok("avx2" | "scalar"));
+    #[cfg(target_arch = "x86_64")]
+    if !forced_down && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq") {
+        return GgmlIsa::Avx512;
+    }
+    let _ = forced_down;
+    GgmlIsa::Avx2
 }
 
 /// Choose the llama.cpp build to reproduce (for the whole process).

@@ -36,7 +36,10 @@ pub fn dequant_q8_0<B: Backend>(words: Tensor<B, 2, Int>, scales: Tensor<B, 2>) 
         .reshape([n, k])
         .float()
         .cast(scales.dtype());
-    let q = u.clone() - u.greater_equal_elem(128.0).float().mul_scalar(256.0); // i8 sign
+    // i8 sign. (`float()` makes the device's default float type — f16 under `--dtype f16` —
+    // so the mask is cast to the quants' type like them.)
+    let negative = u.clone().greater_equal_elem(128.0).float().cast(u.dtype());
+    let q = u - negative.mul_scalar(256.0);
     (q.reshape([n, k / BLOCK, BLOCK]) * scales.unsqueeze_dim::<3>(2)).reshape([n, k])
 }
 

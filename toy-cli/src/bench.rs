@@ -48,17 +48,35 @@ pub struct Row {
 
 struct BenchJob(BenchArgs);
 
+/// A memory figure of this process from `/proc/self/status` in MB (`VmRSS`: resident now,
+/// `VmHWM`: the peak so far); `None` off Linux.
+fn proc_mb(field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// What `toy bench` measured: the rows, and the process's peak resident memory after loading
+/// the model and after all the tests.
+struct Measured {
+    rows: Vec<Row>,
+    peak_rss_after_load_mb: Option<f64>,
+    peak_rss_mb: Option<f64>,
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
 
 impl BackendJob for BenchJob {
-    type Output = Vec<Row>;
+    type Output = Measured;
 
-    fn run<B: ToyBackend>(self, device: B::Device) -> Result<Vec<Row>> {
+    fn run<B: ToyBackend>(self, device: B::Device) -> Result<Measured> {
         let args = self.0;
         let (_file, config, model) = load_model::<B>(&args.model, &device)?;
+        let peak_rss_after_load_mb = proc_mb("VmHWM");
         // Token i of a run: a fixed, arbitrary id (the speed does not depend on which).
         let tokens = |from: usize, n: usize| {
             let v: Vec<i64> = (from..from + n)
@@ -104,7 +122,11 @@ impl BackendJob for BenchJob {
                 measure(args.n_gen, 1),
             ));
         }
-        Ok(rows)
+        Ok(Measured {
+            rows,
+            peak_rss_after_load_mb,
+            peak_rss_mb: proc_mb("VmHWM"),
+        })
     }
 }
 
@@ -167,7 +189,8 @@ pub fn run(compute: Compute, args: BenchArgs) -> Result<()> {
         .num_threads(threads)
         .build_global()
         .ok();
-    let mut rows = dispatch(compute, BenchJob(args.clone()))?;
+    let measured = dispatch(compute, BenchJob(args.clone()))?;
+    let mut rows = measured.rows;
     if let Some(path) = &args.vs_llama_cpp {
         for (name, ts) in llama_bench(path, &args, threads)? {
             if let Some(row) = rows.iter_mut().find(|r| r.test == name) {
@@ -183,7 +206,14 @@ pub fn run(compute: Compute, args: BenchArgs) -> Result<()> {
     if args.json {
         println!(
             "{}",
-            serde_json::json!({"model": model, "backend": backend.name(), "threads": threads, "rows": rows})
+            serde_json::json!({
+                "model": model,
+                "backend": backend.name(),
+                "threads": threads,
+                "rows": rows,
+                "peak_rss_after_load_mb": measured.peak_rss_after_load_mb,
+                "peak_rss_mb": measured.peak_rss_mb,
+            })
         );
         return Ok(());
     }
@@ -200,6 +230,9 @@ pub fn run(compute: Compute, args: BenchArgs) -> Result<()> {
             r.test,
             r.toy_tok_s
         );
+    }
+    if let (Some(load), Some(peak)) = (measured.peak_rss_after_load_mb, measured.peak_rss_mb) {
+        println!("\ntoy peak RSS: {load:.0} MB after loading, {peak:.0} MB after the tests");
     }
     Ok(())
 }

@@ -4,13 +4,13 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 
 use common::{root, smollm2};
 use serde_json::Value;
 
 fn toy_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_toy"));
+    let mut cmd = common::toy_command();
     cmd.args(args);
     for (k, v) in env {
         cmd.env(k, v);

@@ -34,7 +34,7 @@ struct Server {
 impl Server {
     fn start(extra: &[&str]) -> Server {
         let model = smollm2("Q8_0");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_toy"))
+        let mut child = common::toy_command()
             .arg("serve")
             .arg(&model)
             .args(["--port", "0", "--api-key", KEY])

@@ -6,7 +6,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 
 use common::{root, smollm2, toy};
 use std::time::{Duration, Instant};
@@ -191,7 +191,7 @@ fn train_killed_with_sigkill_resumes_from_its_last_checkpoint() {
     let run = runs.join("k");
     let log_path = run.join("events.jsonl");
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_toy"))
+    let mut child = common::toy_command()
         .args(SMALL)
         .args(["--runs-dir", runs_s, "--run-id", "k"])
         .stdout(Stdio::null())

@@ -4,7 +4,7 @@ use crate::gguf::{GgufError, GgufFile};
 
 /// Architectures whose GGUF files toy can load.
 pub const SUPPORTED_ARCHITECTURES: &[&str] =
-    &["llama", "qwen2", "qwen3", "gemma2", "olmoe", "gpt2"];
+    &["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmoe", "gpt2"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -111,13 +111,21 @@ pub struct ModelConfig {
     /// RMSNorm or LayerNorm (`rms_eps` is the epsilon of either).
     pub norm: NormKind,
     pub ffn: FfnKind,
-    /// Token embeddings are multiplied by `sqrt(d_model)` (gemma2).
-    pub embed_scale: bool,
+    /// Token embeddings are multiplied by this (gemma: `sqrtf(d_model)`, granite: its
+    /// `embedding_scale`).
+    pub embed_scale: Option<f32>,
+    /// Each sublayer's output is multiplied by this before its residual add (granite).
+    pub residual_scale: Option<f32>,
+    /// Logits are multiplied by `1 / logit_scale` (granite).
+    pub logit_scale: Option<f32>,
     /// An RMSNorm after each sublayer, before its residual add (gemma2).
     pub post_norms: bool,
     /// Queries are multiplied by this before attention, which then uses scale 1 (gemma2's
-    /// `query_pre_attn_scalar`); `None`: scores are scaled by `1/sqrt(head_dim)`.
+    /// `query_pre_attn_scalar`, gemma3, phi3); `None`: scores are scaled by `kq_scale`.
     pub query_scale: Option<f32>,
+    /// The softmax scale of the scores when queries are not scaled (granite's
+    /// `attention.scale`); `None`: `1/sqrt(head_dim)`.
+    pub kq_scale: Option<f32>,
     /// Attention logits soft-capped as `cap * tanh(s / cap)` before the softmax (gemma2).
     pub attn_softcap: Option<f32>,
     /// Output logits soft-capped the same way (gemma2).
@@ -127,6 +135,21 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// One flag per layer: does it use the sliding window? (empty when there is none)
     pub swa_layers: Vec<bool>,
+    /// RoPE base of the sliding-window layers, which also take no frequency scaling (gemma3:
+    /// `rope.freq_base_swa`, default 10 000); `None`: every layer uses `rope_theta`.
+    pub rope_theta_swa: Option<f32>,
+    /// One flag per layer: does it skip RoPE? (smollm3: every 4th layer; empty: none does)
+    pub no_rope_layers: Vec<bool>,
+    /// cos/sin are multiplied by this (`rope.scaling.attn_factor`; YaRN folds it into its own
+    /// magnitude).
+    pub rope_attn_factor: f32,
+    /// LongRoPE (phi3): `rope_factors_long/short.weight` divide the frequencies; the long ones
+    /// when the context run exceeds this original context.
+    pub long_rope_context: Option<usize>,
+    /// Fused `attn_qkv` projection (phi3) instead of `attn_q/k/v`.
+    pub fused_qkv: bool,
+    /// Fused gate+up `ffn_up` (rows `[0, d_ff)` gate, then up; phi3) instead of `ffn_gate`.
+    pub fused_gate_up: bool,
     /// Learned absolute position embeddings (`position_embd.weight`) instead of RoPE (gpt2).
     pub learned_positions: bool,
 }
@@ -209,7 +232,7 @@ impl ModelConfig {
             (true, _) => QkNorm::PerHead,
         };
         let ffn = match arch.as_str() {
-            "gemma2" => FfnKind::GeGlu,
+            "gemma2" | "gemma3" => FfnKind::GeGlu,
             "gpt2" => FfnKind::Gelu,
             "olmoe" => {
                 let n_expert = req_usize("expert_count")?;
@@ -228,11 +251,15 @@ impl ModelConfig {
             _ => FfnKind::SwiGlu,
         };
         let gemma2 = arch == "gemma2";
+        let gemma3 = arch == "gemma3";
+        // gemma2 has default caps; gemma3 only a final cap, when the file sets a nonzero one.
         let softcap = |k: &str, default: f32| -> Result<Option<f32>, ConfigError> {
-            if !gemma2 {
-                return Ok(None);
-            }
-            let cap = file.get_f64(&key(k))?.map_or(default, |v| v as f32);
+            let cap = match file.get_f64(&key(k))? {
+                _ if !gemma2 && !(gemma3 && k == "final_logit_softcapping") => return Ok(None),
+                Some(v) if gemma3 && v == 0.0 => return Ok(None),
+                None if gemma3 => return Ok(None),
+                v => v.map_or(default, |v| v as f32),
+            };
             if !(cap.is_finite() && cap > 0.0) {
                 return Err(ConfigError::Invalid(format!(
                     "{} = {cap} must be positive",
@@ -244,33 +271,73 @@ impl ModelConfig {
         // As llama.cpp: gemma2's own defaults (window 4096, caps 50 and 30) when the keys are
         // absent; a `llama` file's window only when it sets one (Mistral v0.1); no window
         // elsewhere.
+        // gemma3 without the key has no window at all (llama.cpp: every layer global); phi3's
+        // window is ignored by llama.cpp ("Phi SWA is currently disabled"), and so here.
         let sliding_window = match (opt_usize("attention.sliding_window")?, arch.as_str()) {
             (None, "gemma2") => Some(4096),
             (Some(0), _) => None,
-            (Some(w), "gemma2" | "llama") => Some(w),
+            (Some(w), "gemma2" | "gemma3" | "llama") => Some(w),
             _ => None,
         };
         let swa_layers = match sliding_window {
             None => Vec::new(),
-            // gemma2: ggml's pattern of period 2, sliding-window layers first.
-            Some(_) if gemma2 => {
-                let period = opt_usize("attention.sliding_window_pattern")?.unwrap_or(2);
-                (0..n_layer)
-                    .map(|il| period == 0 || il % period < period - 1)
-                    .collect()
-            }
+            // ggml's pattern of period n (gemma2: 2, gemma3: 6), sliding-window layers first;
+            // or an explicit flag per layer.
+            Some(_) if gemma2 || gemma3 => swa_pattern(file, &key, n_layer, if gemma3 { 6 } else { 2 })?,
             Some(_) => vec![true; n_layer],
         };
-        // llama.cpp's f_attention_scale for gemma2: 1/sqrt(head_dim), except the 27B model
-        // (46 layers), which uses 1/sqrt(d_model / n_head).
-        let query_scale = gemma2.then(|| {
-            let d = if n_layer == 46 {
-                d_model / n_head
-            } else {
-                head_dim
-            };
-            1.0 / (d as f32).sqrt()
-        });
+        let rope_theta_swa = match (sliding_window, gemma3) {
+            (Some(_), true) => Some(file.get_f64(&key("rope.freq_base_swa"))?.map_or(10_000.0, |v| v as f32)),
+            _ => None,
+        };
+        // smollm3: llama.cpp hard-codes a RoPE-less layer every 4 (no metadata key); granite
+        // files with `rope.scaling.finetuned = false` have none at all.
+        let no_rope_layers = match arch.as_str() {
+            "smollm3" => (0..n_layer).map(|il| (il + 1) % 4 == 0).collect(),
+            "granite" if file.get_bool(&key("rope.scaling.finetuned"))? == Some(false) => vec![true; n_layer],
+            _ => Vec::new(),
+        };
+        let long_rope_context = match (arch.as_str(), file.tensor("rope_factors_long.weight")) {
+            ("phi3", Some(_)) => Some(
+                file.get_u64(&key("rope.scaling.original_context_length"))?
+                    .map_or(context_length, |v| v as usize),
+            ),
+            _ => None,
+        };
+        let fused_qkv = file.tensor("blk.0.attn_qkv.weight").is_some();
+        let fused_gate_up = file.tensor("blk.0.ffn_gate.weight").is_none()
+            && file.tensor("blk.0.ffn_up.weight").is_some_and(|t| t.dims.get(1) == Some(&(2 * d_ff as u64)));
+        // llama.cpp's f_attention_scale for gemma2/3: 1/sqrt(head_dim), except the 27B models
+        // (46 layers for gemma2, 62 for gemma3), which use 1/sqrt(d_model / n_head); phi3 scales
+        // its queries by 1/sqrt(head_dim) too (then the scores by 1).
+        let query_scale = match arch.as_str() {
+            "gemma2" | "gemma3" => {
+                let big = n_layer == if gemma2 { 46 } else { 62 };
+                let d = if big { d_model / n_head } else { head_dim };
+                Some(1.0 / (d as f32).sqrt())
+            }
+            "phi3" => Some(1.0 / (head_dim as f32).sqrt()),
+            _ => None,
+        };
+        let granite = arch == "granite";
+        let positive = |k: &str| -> Result<Option<f32>, ConfigError> {
+            match file.get_f64(&key(k))? {
+                None => Ok(None),
+                Some(v) if v == 0.0 => Ok(None),
+                Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v as f32)),
+                Some(v) => Err(ConfigError::Invalid(format!("{} = {v} must be positive", key(k)))),
+            }
+        };
+        let (embed_scale, residual_scale, logit_scale, kq_scale) = if granite {
+            let logit = positive("logit_scale")?
+                .ok_or_else(|| GgufError::MissingKey(key("logit_scale")))?;
+            (positive("embedding_scale")?, positive("residual_scale")?, Some(logit), positive("attention.scale")?)
+        } else {
+            ((gemma2 || gemma3).then(|| (d_model as f32).sqrt()), None, None, None)
+        };
+        let rope_attn_factor = file
+            .get_f64(&key("rope.scaling.attn_factor"))?
+            .map_or(1.0, |v| v as f32);
         let rope_theta = file.get_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
         let rope_scaling = rope_scaling(file, &arch, context_length)?;
 
@@ -287,8 +354,9 @@ impl ModelConfig {
             rms_eps,
             rope_theta,
             rope_dim,
-            // GGUF `llama` weights are permuted for interleaved pairs; the others keep HF's layout.
-            rope_layout: if arch == "llama" {
+            // GGUF `llama`-layout weights (llama, smollm3, granite: llama.cpp's NORM rope type)
+            // are permuted for interleaved pairs; the others keep HF's layout.
+            rope_layout: if matches!(arch.as_str(), "llama" | "smollm3" | "granite") {
                 RopeLayout::Interleaved
             } else {
                 RopeLayout::Neox
@@ -299,13 +367,22 @@ impl ModelConfig {
             qk_norm,
             norm,
             ffn,
-            embed_scale: gemma2,
-            post_norms: gemma2,
+            embed_scale,
+            residual_scale,
+            logit_scale,
+            post_norms: gemma2 || gemma3,
             query_scale,
+            kq_scale,
             attn_softcap: softcap("attn_logit_softcapping", 50.0)?,
             final_softcap: softcap("final_logit_softcapping", 30.0)?,
             sliding_window,
             swa_layers,
+            rope_theta_swa,
+            no_rope_layers,
+            rope_attn_factor,
+            long_rope_context,
+            fused_qkv,
+            fused_gate_up,
             learned_positions: arch == "gpt2",
             architecture: arch,
         })
@@ -320,8 +397,33 @@ impl ModelConfig {
         if self.norm == NormKind::Layer {
             out.push("LayerNorm with bias".to_string());
         }
-        if self.embed_scale {
-            out.push(format!("embeddings × √{}", self.d_model));
+        if let Some(s) = self.embed_scale {
+            out.push(format!("embeddings × {s}"));
+        }
+        if let Some(s) = self.residual_scale {
+            out.push(format!("sublayer outputs × {s} before each residual add"));
+        }
+        if let Some(s) = self.logit_scale {
+            out.push(format!("logits ÷ {s}"));
+        }
+        if let Some(s) = self.kq_scale {
+            out.push(format!("attention scale {s}"));
+        }
+        if self.fused_qkv {
+            out.push("fused QKV projection".to_string());
+        }
+        if self.fused_gate_up {
+            out.push("fused gate+up projection".to_string());
+        }
+        if let Some(theta) = self.rope_theta_swa {
+            out.push(format!("RoPE θ={theta} on the sliding-window layers"));
+        }
+        if !self.no_rope_layers.is_empty() {
+            let n = self.no_rope_layers.iter().filter(|&&s| s).count();
+            out.push(format!("no RoPE on {n} of {} layers", self.n_layer));
+        }
+        if let Some(orig) = self.long_rope_context {
+            out.push(format!("LongRoPE (long factors past {orig} tokens of context, cos/sin × {})", self.rope_attn_factor));
         }
         if self.post_norms {
             out.push("RMSNorm before and after each sublayer".to_string());
@@ -411,7 +513,8 @@ fn rope_scaling(
     let f32_or = |k: &str, default: f32| -> Result<f32, ConfigError> {
         Ok(file.get_f64(&key(k))?.map_or(default, |v| v as f32))
     };
-    let kind = file.get_str(&key("type"))?.unwrap_or("none");
+    // llama.cpp's default scaling type is "linear" (a factor without a type applies).
+    let kind = file.get_str(&key("type"))?.unwrap_or("linear");
     // Older files give the linear factor as `rope.scale_linear`.
     let factor = match file.get_f64(&key("factor"))? {
         Some(f) => f as f32,
@@ -421,7 +524,7 @@ fn rope_scaling(
     };
     match kind {
         "none" => Ok(RopeScaling::None),
-        "linear" if factor == 1.0 => Ok(RopeScaling::None),
+        "linear" | "longrope" if factor == 1.0 => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear { factor }),
         "yarn" => Ok(RopeScaling::Yarn {
             factor,
@@ -436,4 +539,25 @@ fn rope_scaling(
             "RoPE scaling {other:?} is not supported (supported: none, linear, yarn)"
         ))),
     }
+}
+
+/// Which layers use the sliding window: `attention.sliding_window_pattern` as a flag per layer,
+/// or as a period `n` (default `default_period`) of ggml's `set_swa_pattern`: layer `il` is
+/// windowed iff `il % n < n - 1` (period 0: every layer).
+fn swa_pattern(
+    file: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    n_layer: usize,
+    default_period: usize,
+) -> Result<Vec<bool>, ConfigError> {
+    let k = key("attention.sliding_window_pattern");
+    if let Some(flags) = file.get(&k).and_then(|v| v.as_array()) {
+        let flags: Option<Vec<bool>> = flags.iter().map(|v| v.as_bool()).collect();
+        return match flags {
+            Some(f) if f.len() == n_layer => Ok(f),
+            _ => Err(ConfigError::Invalid(format!("{k} must be one bool per layer ({n_layer})"))),
+        };
+    }
+    let period = file.get_u64(&k)?.map_or(default_period, |v| v as usize);
+    Ok((0..n_layer).map(|il| period == 0 || il % period < period - 1).collect())
 }

@@ -29,8 +29,11 @@ impl RopeAngles {
         let n_dims = config.rope_dim;
         let freq_base = config.rope_theta;
         let (freq_scale, ext_factor, attn_factor, corr_dims) = match config.rope_scaling {
-            RopeScaling::None => (1.0, 0.0, 1.0, [0.0, 0.0]),
-            RopeScaling::Linear { factor } => (1.0 / factor, 0.0, 1.0, [0.0, 0.0]),
+            // `rope.scaling.attn_factor` scales cos/sin whatever the scaling (llama_context).
+            RopeScaling::None => (1.0, 0.0, config.rope_attn_factor, [0.0, 0.0]),
+            RopeScaling::Linear { factor } => {
+                (1.0 / factor, 0.0, config.rope_attn_factor, [0.0, 0.0])
+            }
             RopeScaling::Yarn {
                 factor,
                 original_context,
@@ -61,6 +64,20 @@ impl RopeAngles {
             corr_dims,
             freq_factors,
         }
+    }
+
+    /// The angles of gemma3's sliding-window layers: base `rope_theta_swa`, no frequency
+    /// scaling (llama.cpp's `*_train_swa` values).
+    pub fn sliding_window_layers(config: &ModelConfig) -> Option<Self> {
+        config.rope_theta_swa.map(|freq_base| RopeAngles {
+            n_dims: config.rope_dim,
+            freq_base,
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: config.rope_attn_factor,
+            corr_dims: [0.0, 0.0],
+            freq_factors: None,
+        })
     }
 
     /// `(cos, sin)`, each `[positions.len() * n_dims / 2]`, row-major by position.

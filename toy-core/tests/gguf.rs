@@ -393,18 +393,18 @@ fn dequantize_refuses_unsupported_types_and_bad_lengths() {
         .filter(|t| !DEQUANT_TYPES.contains(t))
     {
         let bytes = vec![0u8; ty.type_size() * 4];
-        let err = dequantize_to_vec(ty, &bytes).unwrap_err();
+        let err = GgufError::from(dequantize_to_vec(ty, &bytes).unwrap_err());
         assert!(matches!(err, GgufError::Unsupported(_)), "{ty}: {err:?}");
         assert!(err.to_string().contains(ty.name()), "{ty}: {err}");
         assert_one_line(&err);
     }
 
     // A partial block, and an output of the wrong size.
-    let err = dequantize_to_vec(GgmlType::Q4_0, &[0u8; 17]).unwrap_err();
+    let err = GgufError::from(dequantize_to_vec(GgmlType::Q4_0, &[0u8; 17]).unwrap_err());
     assert!(matches!(err, GgufError::InvalidArgument(_)), "{err:?}");
     assert!(err.to_string().contains("18-byte blocks"), "{err}");
     let mut out = vec![0.0f32; 31];
-    let err = dequantize(GgmlType::Q4_0, &[0u8; 18], &mut out).unwrap_err();
+    let err = GgufError::from(dequantize(GgmlType::Q4_0, &[0u8; 18], &mut out).unwrap_err());
     assert!(matches!(err, GgufError::InvalidArgument(_)), "{err:?}");
     assert_one_line(&err);
     assert!(dequantize_to_vec(GgmlType::Q6K, &[]).unwrap().is_empty());
@@ -561,15 +561,15 @@ fn quantize_round_trips_and_edge_cases() {
     assert_eq!(&q[2..7], &[127u8, 1, (-1i8) as u8, 3, (-3i8) as u8]);
 
     for ty in [GgmlType::Q4K, GgmlType::Q8_1, GgmlType::I32] {
-        let err = quantize(ty, &[0.0; 256]).unwrap_err();
+        let err = GgufError::from(quantize(ty, &[0.0; 256]).unwrap_err());
         assert!(
             matches!(err, GgufError::Unsupported(_)) && err.to_string().contains(ty.name()),
             "{err}"
         );
     }
     for err in [
-        quantize_q8_0(&[1.0; 33]).unwrap_err(),
-        quantize(GgmlType::Q4_0, &[1.0; 31]).unwrap_err(),
+        GgufError::from(quantize_q8_0(&[1.0; 33]).unwrap_err()),
+        GgufError::from(quantize(GgmlType::Q4_0, &[1.0; 31]).unwrap_err()),
     ] {
         assert!(matches!(err, GgufError::InvalidArgument(_)), "{err:?}");
         assert_one_line(&err);

@@ -1,9 +1,10 @@
-//! The llama-family transformer (Llama, SmolLM2, TinyLlama, Mistral, Qwen2/3, Gemma2, OLMoE):
-//! pre-norm blocks of grouped-query attention with RoPE and a gated MLP, RMSNorm, token embedding
-//! and an output head (tied or not). The variants are config fields, not copies: Q/K/V biases,
-//! Q/K norms (per head or over the whole projection), post-sublayer norms, embedding scale,
-//! GELU or SiLU gate, attention and final logit soft-caps, sliding-window layers, and a
-//! mixture-of-experts MLP. The hot ops go through [`ToyBackend`]: quantized matmuls (in
+//! The llama-family transformer (Llama, SmolLM2/3, TinyLlama, Mistral, Qwen2/3, Gemma2/3, Phi-3,
+//! Granite, OLMoE): pre-norm blocks of grouped-query attention with RoPE and a gated MLP,
+//! RMSNorm, token embedding and an output head (tied or not). The variants are config fields,
+//! not copies: Q/K/V biases, Q/K norms (per head or over the whole projection), post-sublayer
+//! norms, embedding, residual and logit scales, GELU or SiLU gate, attention and final logit
+//! soft-caps, sliding-window layers with their own RoPE base, layers without RoPE, LongRoPE
+//! factors, and a mixture-of-experts MLP. The hot ops go through [`ToyBackend`]: quantized matmuls (in
 //! [`QLinear`]), RMSNorm, SwiGLU, RoPE and causal attention; the rest are plain burn ops written
 //! to compute what ggml computes (see [`gelu_ggml`]).
 
@@ -63,9 +64,15 @@ pub struct LlamaConfig {
     /// (olmoe). Exclusive with `qk_norm`.
     #[config(default = false)]
     pub qk_norm_full: bool,
-    /// Multiply token embeddings by `sqrt(d_model)` (gemma2).
-    #[config(default = false)]
-    pub embed_scale: bool,
+    /// Multiply token embeddings by this (gemma: `sqrtf(d_model)`; granite).
+    #[config(default = "None")]
+    pub embed_scale: Option<f32>,
+    /// Multiply each sublayer's output by this before its residual add (granite).
+    #[config(default = "None")]
+    pub residual_scale: Option<f32>,
+    /// Multiply the logits by `1 / logit_scale` (granite).
+    #[config(default = "None")]
+    pub logit_scale: Option<f32>,
     /// An RMSNorm after each sublayer, before its residual add (gemma2).
     #[config(default = false)]
     pub post_norms: bool,
@@ -75,6 +82,9 @@ pub struct LlamaConfig {
     /// Multiply queries by this and attend with scale 1 (gemma2); `None`: scale `1/sqrt(head_dim)`.
     #[config(default = "None")]
     pub query_scale: Option<f32>,
+    /// The attention's score scale when queries are not scaled (granite); `None`: `1/sqrt(head_dim)`.
+    #[config(default = "None")]
+    pub kq_scale: Option<f32>,
     /// Attention logit soft-cap (gemma2).
     #[config(default = "None")]
     pub attn_softcap: Option<f32>,
@@ -87,6 +97,12 @@ pub struct LlamaConfig {
     /// Per layer: does it use the sliding window?
     #[config(default = "Vec::new()")]
     pub swa_layers: Vec<bool>,
+    /// RoPE base of the sliding-window layers, unscaled (gemma3); `None`: `rope_theta`.
+    #[config(default = "None")]
+    pub rope_theta_swa: Option<f32>,
+    /// Per layer: does it skip RoPE (smollm3)? Empty: no layer does.
+    #[config(default = "Vec::new()")]
+    pub no_rope_layers: Vec<bool>,
     /// Mixture of experts: number of SwiGLU experts of width `d_ff` (0 = a dense MLP).
     #[config(default = 0)]
     pub n_expert: usize,
@@ -128,6 +144,11 @@ impl LlamaConfig {
         .with_qk_norm(c.qk_norm == QkNorm::PerHead)
         .with_qk_norm_full(c.qk_norm == QkNorm::Full)
         .with_embed_scale(c.embed_scale)
+        .with_residual_scale(c.residual_scale)
+        .with_logit_scale(c.logit_scale)
+        .with_kq_scale(c.kq_scale)
+        .with_rope_theta_swa(c.rope_theta_swa)
+        .with_no_rope_layers(c.no_rope_layers.clone())
         .with_post_norms(c.post_norms)
         .with_gelu(c.ffn == FfnKind::GeGlu)
         .with_query_scale(c.query_scale)
@@ -144,6 +165,15 @@ impl LlamaConfig {
     pub fn window(&self, i: usize) -> Option<usize> {
         let on = self.swa_layers.is_empty() || self.swa_layers.get(i).copied().unwrap_or(false);
         self.sliding_window.filter(|_| on)
+    }
+
+    /// Which of the model's RoPE angle sets layer `i` uses (`Transformer::ropes`): 0, or 1 for
+    /// a sliding-window layer with its own base; `None`: the layer has no RoPE.
+    pub fn rope_set(&self, i: usize) -> Option<usize> {
+        if self.no_rope_layers.get(i).copied().unwrap_or(false) {
+            return None;
+        }
+        Some(usize::from(self.rope_theta_swa.is_some() && self.window(i).is_some()))
     }
 
     fn rope_dim(&self) -> usize {
@@ -213,8 +243,10 @@ impl LlamaConfig {
                     head_dim: self.head_dim,
                     qk_norm_full: self.qk_norm_full,
                     query_scale: self.query_scale,
+                    kq_scale: self.kq_scale,
                     softcap: self.attn_softcap,
                     window: self.window(i),
+                    rope_set: self.rope_set(i),
                 },
                 post_attn_norm: self.post_norms.then(norm),
                 ffn_norm: norm(),
@@ -229,6 +261,7 @@ impl LlamaConfig {
                     Ffn::Dense(mlp())
                 },
                 post_ffn_norm: self.post_norms.then(norm),
+                residual_scale: self.residual_scale,
                 lora: None,
             })
             .collect();
@@ -240,7 +273,14 @@ impl LlamaConfig {
         } else {
             dense(self.vocab_size, self.d_model)
         };
-        self.assemble(token_embd, blocks, norm(), output, self.rope_angles())
+        let mut ropes = vec![self.rope_angles()];
+        if let Some(theta) = self.rope_theta_swa {
+            ropes.push(RopeAngles {
+                freq_base: theta,
+                ..self.rope_angles()
+            });
+        }
+        self.assemble(token_embd, blocks, norm(), output, ropes, None)
     }
 
     /// Plain RoPE angles for this config (θ base, rotated dims, no scaling): what a model made
@@ -264,18 +304,44 @@ impl LlamaConfig {
         blocks: Vec<Block<B>>,
         output_norm: RmsNorm<B>,
         output: QLinear<B>,
-        rope: RopeAngles,
+        ropes: Vec<RopeAngles>,
+        long_rope: Option<LongRope>,
     ) -> Transformer<B> {
-        Transformer {
+        let mut model = Transformer {
             token_embd,
             blocks,
             output_norm,
             output,
-            rope,
+            ropes,
+            long_rope,
             rope_interleaved: self.rope_interleaved,
             context_length: self.context_length,
-            embed_scale: self.embed_scale.then(|| (self.d_model as f32).sqrt()),
+            embed_scale: self.embed_scale,
+            logit_scale: self.logit_scale,
             final_softcap: self.final_softcap,
+        };
+        model.set_context(self.context_length);
+        model
+    }
+}
+
+/// LongRoPE's two sets of per-pair frequency divisors (phi3): llama.cpp uses the long ones when
+/// the context it runs with, rounded up to a multiple of 256, exceeds the original context —
+/// one choice per context, not per position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LongRope {
+    pub long: Vec<f32>,
+    pub short: Vec<f32>,
+    pub original_context: usize,
+}
+
+impl LongRope {
+    /// The factors for a context of `n_ctx` tokens.
+    pub fn factors(&self, n_ctx: usize) -> &[f32] {
+        if n_ctx.div_ceil(256) * 256 > self.original_context {
+            &self.long
+        } else {
+            &self.short
         }
     }
 }
@@ -287,14 +353,22 @@ pub struct Transformer<B: Backend> {
     pub blocks: Vec<Block<B>>,
     pub output_norm: RmsNorm<B>,
     pub output: QLinear<B>,
-    /// How RoPE angles are computed (host-side, as llama.cpp does; not a parameter).
+    /// How RoPE angles are computed (host-side, as llama.cpp does; not a parameter): one set,
+    /// or (gemma3) a second for the sliding-window layers; each layer's attention names its set.
     #[module(skip)]
-    pub rope: RopeAngles,
+    pub ropes: Vec<RopeAngles>,
+    /// LongRoPE factors (phi3); [`Transformer::set_context`] picks long or short.
+    #[module(skip)]
+    pub long_rope: Option<LongRope>,
     pub rope_interleaved: bool,
+    /// The context this model runs with (the file's trained length unless set).
     pub context_length: usize,
-    /// Token embeddings are multiplied by this (gemma2: `sqrt(d_model)`).
+    /// Token embeddings are multiplied by this (gemma: `sqrt(d_model)`, granite).
     #[module(skip)]
     pub embed_scale: Option<f32>,
+    /// Logits are multiplied by `1 / logit_scale` (granite).
+    #[module(skip)]
+    pub logit_scale: Option<f32>,
     /// Output logits soft-cap (gemma2).
     #[module(skip)]
     pub final_softcap: Option<f32>,
@@ -310,6 +384,9 @@ pub struct Block<B: Backend> {
     pub ffn: Ffn<B>,
     /// Norm of the MLP output before the residual add (gemma2).
     pub post_ffn_norm: Option<RmsNorm<B>>,
+    /// Both sublayers' outputs are multiplied by this before the residual add (granite).
+    #[module(skip)]
+    pub residual_scale: Option<f32>,
     /// LoRA adapters on this block's projections (`None`: the plain model).
     pub lora: Option<BlockLora<B>>,
 }
@@ -356,10 +433,16 @@ pub struct Attention<B: Backend> {
     /// Queries are multiplied by this after RoPE and scores are not scaled again (gemma2).
     #[module(skip)]
     pub query_scale: Option<f32>,
+    /// Otherwise the scores are scaled by this (granite), or by `1/sqrt(head_dim)`.
+    #[module(skip)]
+    pub kq_scale: Option<f32>,
     #[module(skip)]
     pub softcap: Option<f32>,
     #[module(skip)]
     pub window: Option<usize>,
+    /// The RoPE angle set of this layer (`Transformer::ropes`); `None`: no RoPE (smollm3).
+    #[module(skip)]
+    pub rope_set: Option<usize>,
 }
 
 /// A gated MLP: `down(act(gate(x)) * up(x))`, act = SiLU or (`gelu`) ggml's GELU-tanh.
@@ -418,8 +501,8 @@ impl<B: Backend> KvCache<B> {
 
 /// Context for one forward pass: where the new tokens sit and their RoPE tables.
 struct Step<B: Backend> {
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
+    /// `(cos, sin)` per RoPE angle set.
+    tables: Vec<(Tensor<B, 2>, Tensor<B, 2>)>,
     past: usize,
 }
 
@@ -431,6 +514,15 @@ impl<B: ToyBackend> Transformer<B> {
     /// The device the model's weights live on.
     pub fn device(&self) -> B::Device {
         self.output_norm.gamma.device()
+    }
+
+    /// Run with a context of `n_ctx` tokens (what the KV cache may hold). This matters to
+    /// LongRoPE, whose factors depend on it as in llama.cpp (`n_ctx` there).
+    pub fn set_context(&mut self, n_ctx: usize) {
+        self.context_length = n_ctx;
+        if let Some(long) = &self.long_rope {
+            self.ropes[0].freq_factors = Some(long.factors(n_ctx).to_vec());
+        }
     }
 
     pub fn new_cache(&self) -> KvCache<B> {
@@ -447,16 +539,24 @@ impl<B: ToyBackend> Transformer<B> {
         let [_, t] = tokens.dims();
         let device = tokens.device();
         let past = cache.len;
-        let (cos, sin) = self.rope.cos_sin(past as i64..(past + t) as i64);
-        let half = cos.len() / t;
-        let step = Step {
+        let table = |rope: &RopeAngles| {
+            let (cos, sin) = rope.cos_sin(past as i64..(past + t) as i64);
+            let half = cos.len() / t;
             // f32 tables whatever the activation type: the angles need the precision.
-            cos: Tensor::from_data(TensorData::new(cos, [t, half]), (&device, DType::F32)),
-            sin: Tensor::from_data(TensorData::new(sin, [t, half]), (&device, DType::F32)),
+            let f32_table = |v| Tensor::from_data(TensorData::new(v, [t, half]), (&device, DType::F32));
+            (f32_table(cos), f32_table(sin))
+        };
+        let step = Step {
+            tables: self.ropes.iter().map(table).collect(),
             past,
         };
         B::run_pass(|| {
             let mut x = self.token_embd.forward(tokens);
+            // A packed table's rows come out f32; the model may run in f16 (`--dtype f16`).
+            let dtype = self.output_norm.gamma.val().dtype();
+            if x.dtype() != dtype {
+                x = x.cast(dtype);
+            }
             if let Some(s) = self.embed_scale {
                 x = x.mul_scalar(s);
             }
@@ -482,18 +582,22 @@ impl<B: ToyBackend> Transformer<B> {
 
     /// Mean next-token cross-entropy of `tokens[b, t]` (from an empty cache) against
     /// `targets[b, t]`: what training minimizes. Without a final soft-cap the head's loss need
-    /// not hold the logits ([`QLinear::cross_entropy`]).
+    /// not hold the logits ([`QLinear::cross_entropy`]); without a logit scale either.
     pub fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
         let h = self.forward_hidden(tokens, &mut self.new_cache());
-        match self.final_softcap {
-            Some(_) => crate::qlinear::cross_entropy(self.logits(h), targets),
-            None => B::run_pass(|| self.output.cross_entropy(h, targets)),
+        if self.final_softcap.is_some() || self.logit_scale.is_some() {
+            crate::qlinear::cross_entropy(self.logits(h), targets)
+        } else {
+            B::run_pass(|| self.output.cross_entropy(h, targets))
         }
     }
 
-    /// The output head (and gemma2's final soft-cap) on final hidden states.
+    /// The output head (granite's logit scale, gemma's final soft-cap) on final hidden states.
     pub fn logits<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
-        let logits = B::run_pass(|| self.output.forward(h));
+        let mut logits = B::run_pass(|| self.output.forward(h));
+        if let Some(s) = self.logit_scale {
+            logits = logits.mul_scalar(1.0 / s);
+        }
         match self.final_softcap {
             Some(cap) => softcap(logits, cap),
             None => logits,
@@ -580,12 +684,16 @@ impl<B: ToyBackend> Block<B> {
             model,
             lora,
         );
-        let h = post(&self.post_attn_norm, a) + x;
+        let scaled = |y: Tensor<B, 3>| match self.residual_scale {
+            Some(s) => y.mul_scalar(s),
+            None => y,
+        };
+        let h = scaled(post(&self.post_attn_norm, a)) + x;
         let f = match &self.ffn {
             Ffn::Dense(mlp) => mlp.forward(rms_norm(&self.ffn_norm, h.clone()), lora),
             Ffn::Moe(moe) => moe.forward(rms_norm(&self.ffn_norm, h.clone())),
         };
-        post(&self.post_ffn_norm, f) + h
+        scaled(post(&self.post_ffn_norm, f)) + h
     }
 }
 
@@ -648,15 +756,17 @@ impl<B: ToyBackend> Attention<B> {
             &None,
             self.n_head_kv,
         );
-        let mut q = self.rope(q, step, model);
-        let k = self.rope(k, step, model);
+        let (mut q, k) = match self.rope_set {
+            Some(set) => (self.rope(q, &step.tables[set], model), self.rope(k, &step.tables[set], model)),
+            None => (q, k),
+        };
         let (k, v) = cache.append(layer, k, v);
         let scale = match self.query_scale {
             Some(s) => {
                 q = q.mul_scalar(s);
                 1.0
             }
-            None => 1.0 / (self.head_dim as f32).sqrt(),
+            None => self.kq_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
         };
         let options = AttentionOptions {
             scale,
@@ -674,7 +784,12 @@ impl<B: ToyBackend> Attention<B> {
         project(&self.wo, adapter(Target::O), out)
     }
 
-    fn rope(&self, x: Tensor<B, 4>, step: &Step<B>, model: &Transformer<B>) -> Tensor<B, 4> {
+    fn rope(
+        &self,
+        x: Tensor<B, 4>,
+        (cos, sin): &(Tensor<B, 2>, Tensor<B, 2>),
+        model: &Transformer<B>,
+    ) -> Tensor<B, 4> {
         let layout = if model.rope_interleaved {
             RopeLayout::Interleaved
         } else {
@@ -682,8 +797,8 @@ impl<B: ToyBackend> Attention<B> {
         };
         Tensor::from_primitive(TensorPrimitive::Float(B::rope(
             x.into_primitive().tensor(),
-            step.cos.clone().into_primitive().tensor(),
-            step.sin.clone().into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
             layout,
         )))
     }

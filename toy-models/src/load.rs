@@ -10,7 +10,7 @@ use toy_kernels::ToyBackend;
 use toy_kernels::packed::{PACKED_TYPES, PackError, pack};
 
 use crate::embedding::TokenEmbedding;
-use crate::llama::{Attention, Block, Ffn, LlamaConfig, Mlp, Moe, Transformer};
+use crate::llama::{Attention, Block, Ffn, LlamaConfig, LongRope, Mlp, Moe, Transformer};
 use crate::qlinear::{PackedMatrix, QLinear};
 
 #[derive(Debug, thiserror::Error)]
@@ -47,10 +47,12 @@ pub fn load<B: ToyBackend>(
     }
     let c = &config;
     let total = 3 + 9 * c.n_layer;
-    let mut done = 0;
-    let mut tick = || {
-        done += 1;
-        progress(done, total);
+    // Shared by the per-tensor closures below (hence the cells).
+    let progress = std::cell::RefCell::new(&mut progress);
+    let done = std::cell::Cell::new(0);
+    let tick = || {
+        done.set(done.get() + 1);
+        (progress.borrow_mut())(done.get(), total);
     };
 
     let (qdim, kvdim) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
@@ -67,15 +69,30 @@ pub fn load<B: ToyBackend>(
     let mut blocks = Vec::with_capacity(c.n_layer);
     for i in 0..c.n_layer {
         let name = |t: &str| format!("blk.{i}.{t}.weight");
-        let mut lin = |t: &str, inp: usize, out: usize| {
+        let lin = |t: &str, inp: usize, out: usize| {
             let l = linear(file, &name(t), inp, out, device);
             tick();
             l
         };
+        // phi3 stores Q|K|V as one `attn_qkv` matrix: its rows are split here, still packed.
+        let [wq, wk, wv] = match c.fused_qkv {
+            true => {
+                let [q, k, v] = split_linear(file, &name("attn_qkv"), c.d_model, [qdim, kvdim, kvdim], device)?;
+                tick();
+                tick();
+                tick();
+                [q, k, v]
+            }
+            false => [
+                lin("attn_q", c.d_model, qdim)?,
+                lin("attn_k", c.d_model, kvdim)?,
+                lin("attn_v", c.d_model, kvdim)?,
+            ],
+        };
         let attn = Attention {
-            wq: lin("attn_q", c.d_model, qdim)?,
-            wk: lin("attn_k", c.d_model, kvdim)?,
-            wv: lin("attn_v", c.d_model, kvdim)?,
+            wq,
+            wk,
+            wv,
             wo: lin("attn_output", qdim, c.d_model)?,
             bq: bias(
                 file,
@@ -113,17 +130,31 @@ pub fn load<B: ToyBackend>(
             head_dim: c.head_dim,
             qk_norm_full: c.qk_norm == QkNorm::Full,
             query_scale: c.query_scale,
+            kq_scale: c.kq_scale,
             softcap: c.attn_softcap,
             window: llama.window(i),
+            rope_set: llama.rope_set(i),
         };
         let gelu = c.ffn == FfnKind::GeGlu;
         let ffn = match c.ffn {
-            FfnKind::SwiGlu | FfnKind::GeGlu => Ffn::Dense(Mlp {
-                gate: lin("ffn_gate", c.d_model, c.d_ff)?,
-                up: lin("ffn_up", c.d_model, c.d_ff)?,
-                down: lin("ffn_down", c.d_ff, c.d_model)?,
-                gelu,
-            }),
+            FfnKind::SwiGlu | FfnKind::GeGlu => {
+                // phi3's `ffn_up` holds the gate's rows, then the up projection's.
+                let [gate, up] = match c.fused_gate_up {
+                    true => {
+                        let parts = split_linear(file, &name("ffn_up"), c.d_model, [c.d_ff, c.d_ff], device)?;
+                        tick();
+                        tick();
+                        parts
+                    }
+                    false => [lin("ffn_gate", c.d_model, c.d_ff)?, lin("ffn_up", c.d_model, c.d_ff)?],
+                };
+                Ffn::Dense(Mlp {
+                    gate,
+                    up,
+                    down: lin("ffn_down", c.d_ff, c.d_model)?,
+                    gelu,
+                })
+            }
             FfnKind::Moe {
                 n_expert,
                 n_expert_used,
@@ -173,6 +204,7 @@ pub fn load<B: ToyBackend>(
             ffn_norm,
             ffn,
             post_ffn_norm: post("post_ffw_norm")?,
+            residual_scale: c.residual_scale,
             lora: None,
         });
     }
@@ -184,9 +216,23 @@ pub fn load<B: ToyBackend>(
         )?),
         None => None,
     };
-    let rope = RopeAngles::new(c, freq_factors);
-    let model = llama.assemble(token_embd, blocks, output_norm, output, rope);
+    let factors = |t: &str| -> Result<Vec<f32>, LoadError> {
+        Ok(tensor_to_f32(file, tensor(file, t, &[c.rope_dim / 2])?)?)
+    };
+    let long_rope = match c.long_rope_context {
+        Some(original_context) => Some(LongRope {
+            long: factors("rope_factors_long.weight")?,
+            short: factors("rope_factors_short.weight")?,
+            original_context,
+        }),
+        None => None,
+    };
+    let mut ropes = vec![RopeAngles::new(c, freq_factors)];
+    ropes.extend(RopeAngles::sliding_window_layers(c));
+    let model = llama.assemble(token_embd, blocks, output_norm, output, ropes, long_rope);
     tick();
+    // Every weight now lives in its own buffer: the file's pages need not stay resident.
+    file.release_pages();
     Ok((config, model))
 }
 
@@ -316,6 +362,42 @@ fn bias<B: ToyBackend>(
     }
     let info = tensor(file, name, &[out])?;
     Ok(Some(Param::from_tensor(dense_tensor(file, info, device)?)))
+}
+
+/// A fused weight `[in, Σ outs]` (ggml order) split by output rows into one `QLinear` per part:
+/// a packed weight's rows are whole blocks, so each part stays packed (and computes what the
+/// fused matrix's rows compute).
+fn split_linear<B: ToyBackend, const N: usize>(
+    file: &GgufFile,
+    name: &str,
+    inp: usize,
+    outs: [usize; N],
+    device: &B::Device,
+) -> Result<[QLinear<B>; N], LoadError> {
+    let info = tensor(file, name, &[inp, outs.iter().sum()])?;
+    let mut parts = Vec::with_capacity(N);
+    let mut first = 0;
+    if PACKED_TYPES.contains(&info.ggml_type) {
+        let data = file.tensor_data(info);
+        // `tensor` checked the dims, and the file's reader the data's length against them.
+        let row = data.len() / outs.iter().sum::<usize>();
+        for out in outs {
+            let bytes = &data[first * row..(first + out) * row];
+            parts.push(QLinear::Packed(packed(info, bytes, out, inp, true, device)?));
+            first += out;
+        }
+    } else {
+        let values = tensor_to_f32(file, info)?;
+        for out in outs {
+            let m = values[first * inp..(first + out) * inp].to_vec();
+            parts.push(QLinear::Dense(Param::from_tensor(Tensor::from_data(
+                TensorData::new(m, [out, inp]),
+                device,
+            ))));
+            first += out;
+        }
+    }
+    Ok(parts.try_into().unwrap_or_else(|_| unreachable!("one part per size")))
 }
 
 /// A weight `[in, out]` (ggml order) as a `QLinear`: packed types stay packed, the rest is f32.

@@ -125,6 +125,7 @@ pub fn load_model<B: ToyBackend>(
     let config = ModelConfig::from_gguf(file)?;
     if config.norm == NormKind::Layer {
         let model = load_gpt2(file, &config, device, progress)?;
+        file.release_pages();
         return Ok((config, Model::Gpt2(model)));
     }
     let (config, model) = load(file, device, &mut progress)?;

@@ -71,9 +71,17 @@ pub fn to_gguf<B: ToyBackend>(
     if config.n_expert > 0 {
         return Err(SaveError::Architecture("a mixture-of-experts MLP (olmoe)"));
     }
-    if config.embed_scale || config.post_norms || config.gelu {
+    if config.residual_scale.is_some() || config.logit_scale.is_some() || config.kq_scale.is_some() {
+        return Err(SaveError::Architecture("granite's residual, logit or attention scales"));
+    }
+    if config.rope_theta_swa.is_some() || !config.no_rope_layers.is_empty() {
         return Err(SaveError::Architecture(
-            "gemma2's embedding scale, post-norms or GELU gate",
+            "per-layer RoPE (gemma3's sliding-window base, smollm3's layers without RoPE)",
+        ));
+    }
+    if config.embed_scale.is_some() || config.post_norms || config.gelu {
+        return Err(SaveError::Architecture(
+            "an embedding scale, post-norms or a GELU gate (gemma, granite)",
         ));
     }
     if config.attn_softcap.is_some() || config.final_softcap.is_some() {

@@ -244,7 +244,7 @@ fn unsupported_architecture_names_the_supported_ones() {
     .err()
     .unwrap()
     .to_string();
-    for arch in ["llama", "qwen2", "qwen3", "gemma2", "olmoe", "gpt2"] {
+    for arch in ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmoe", "gpt2"] {
         assert!(err.contains(arch), "{err}");
     }
 }

@@ -18,15 +18,15 @@ mod common;
 use burn::backend::Flex;
 use common::{expected, ids, load, logit_deviation};
 use toy_core::tokenizer::Tokenizer;
-use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
 
 /// The oracle prints 9 significant digits; the arithmetic is the same bit for bit.
 const TOL: f64 = 2e-6;
 
 fn check(name: &str) {
-    set_ggml_isa(GgmlIsa::Avx2);
     let device = Default::default();
+    // Sets the CPU backend to the fixture's llama.cpp build (AVX2).
     let expected = expected(name);
+    assert_eq!(expected["ggml_isa"], "avx2");
     let (file, architecture, model) = load::<Flex>(name, &device);
     assert_eq!(architecture, "llama");
     let tokenizer = Tokenizer::from_gguf(&file).unwrap();
@@ -61,4 +61,87 @@ fn f16_and_bf16_match_llama_cpp() {
 #[test]
 fn q4_k_m_preset_matches_llama_cpp() {
     check("kq-q4_k_m");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real shapes, on files made outside git (not in CI: `cargo test --release -p toy-models --test
+// quant_types -- --ignored`): SmolLM2-135M-Instruct in every type from
+// `fixtures/smollm2/make_quant_types.sh`, and the Llama-3.2-1B-shaped model of
+// `benches/make-llama-1b.sh`, both in `$TOY_MODEL_CACHE` (default `~/.cache/toy-models`).
+
+fn model_cache() -> std::path::PathBuf {
+    std::env::var_os("TOY_MODEL_CACHE")
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/toy-models"))
+}
+
+fn json(path: std::path::PathBuf) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .unwrap()
+}
+
+fn open(path: &std::path::Path) -> toy_models::Model<Flex> {
+    let file = toy_core::gguf::GgufFile::open(path)
+        .unwrap_or_else(|e| panic!("{e} (make it with the script named at the top of this section)"));
+    toy_models::load_model::<Flex>(&file, &Default::default(), |_, _| {})
+        .unwrap()
+        .1
+}
+
+/// Greedy ids (5 prompts × 32) and the 16-token prompt's per-position top-5 logits of SmolLM2 in
+/// each type llama-quantize makes, against llama.cpp's AVX2 build on the same files.
+#[test]
+#[ignore = "needs the llama-quantized SmolLM2 files (fixtures/smollm2/make_quant_types.sh)"]
+fn smollm2_in_every_type_matches_llama_cpp() {
+    use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
+    set_ggml_isa(GgmlIsa::Avx2);
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/smollm2/quant-types");
+    let mut report = Vec::new();
+    for ty in ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_1", "Q5_0", "Q4_K_M", "IQ4_NL", "IQ4_XS", "Q4_0", "Q3_K_M", "Q2_K"] {
+        let oracle = json(dir.join(format!("{ty}.json")));
+        let model = open(&model_cache().join(oracle["file"]["name"].as_str().unwrap()));
+        let mut same = 0;
+        for case in oracle["greedy"].as_array().unwrap() {
+            let prompt = ids(&case["prompt_ids"]);
+            let want = ids(&case["gen_ids"]);
+            let got = common::greedy(&model, &prompt, want.len());
+            let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+            assert_eq!(agree, want.len(), "{ty}: greedy ids after {:?} leave llama.cpp's at step {agree}", case["prompt"]);
+            same += agree;
+        }
+        let sixteen = &oracle["sixteen"];
+        let prompt = ids(&sixteen["ids"]);
+        let rows = common::logits(&model, &[&prompt]);
+        let mut worst = 0.0f64;
+        for p in sixteen["positions"].as_array().unwrap() {
+            let row = &rows[p["pos"].as_u64().unwrap() as usize];
+            for pair in p["top"].as_array().unwrap() {
+                let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+                worst = worst.max((row[id] as f64 - want).abs());
+            }
+        }
+        report.push(format!("{ty}: {same}/160 greedy ids, top-5 logits within {worst:.1e}"));
+        assert!(worst <= TOL, "{ty}: logits differ from llama.cpp's by {worst:e}");
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
+/// Greedy ids of the random-weight Llama-3.2-1B-shaped model (d 2048, 16 layers, GQA 32/8, vocab
+/// 128256) in Q4_K_M and Q8_0, against llama.cpp's AVX2 build (`fixtures/llama-1b-shape/`).
+#[test]
+#[ignore = "needs the 1B-shaped model (benches/make-llama-1b.sh)"]
+fn llama_1b_shape_matches_llama_cpp() {
+    use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
+    set_ggml_isa(GgmlIsa::Avx2);
+    let oracle = json(std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama-1b-shape/expected.json"));
+    for (name, m) in oracle["models"].as_object().unwrap() {
+        let model = open(&model_cache().join("llama-1b-shape").join(name));
+        for case in m["greedy"].as_array().unwrap() {
+            let prompt = ids(&case["prompt_ids"]);
+            let want = ids(&case["gen_ids"]);
+            let got = common::greedy(&model, &prompt, want.len());
+            assert_eq!(got, want, "{name}: greedy ids after {:?}", case["prompt"]);
+        }
+        eprintln!("{name}: greedy ids identical");
+    }
 }

@@ -416,6 +416,9 @@ fn curve_config() -> TrainConfig {
 
 #[test]
 fn loss_curve_reproduces_the_fixture_bit_for_bit() {
+    // The curve was made with the CPU backend reproducing llama.cpp's AVX-512 build (its SwiGLU
+    // and attention arithmetic; toy-kernels' `GgmlIsa`), on a CPU with AVX-512 gemm kernels.
+    toy_kernels::flex::set_ggml_isa(toy_kernels::flex::GgmlIsa::Avx512);
     let root = scratch("variants-curve");
     let curve = losses(&run(&root, curve_config()));
     std::fs::remove_dir_all(&root).unwrap();

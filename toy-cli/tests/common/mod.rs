@@ -11,12 +11,18 @@ mod smollm2_path;
 #[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
 pub use smollm2_path::smollm2;
 
+/// The `toy` binary built for these tests, set to reproduce llama.cpp's AVX-512 x86 build: the
+/// llama.cpp outputs the tests compare with (`fixtures/smollm2/`, `fixtures/finetune/`,
+/// `fixtures/corpus/`) were made by that build (see `fixtures/quant/README.md`).
+pub fn toy_command() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_toy"));
+    cmd.env("TOY_GGML_ISA", "avx512");
+    cmd
+}
+
 /// Run the `toy` binary built for these tests.
 pub fn toy(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_toy"))
-        .args(args)
-        .output()
-        .expect("run toy")
+    toy_command().args(args).output().expect("run toy")
 }
 
 /// The repository root.

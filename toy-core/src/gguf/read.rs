@@ -125,6 +125,19 @@ impl GgufFile {
         self.path.as_deref()
     }
 
+    /// Tell the OS this process no longer needs the file's pages, once the tensors have been
+    /// copied to where they are used: they stop counting in the process's resident memory (which
+    /// would otherwise hold the model twice), and are read again from the page cache if touched.
+    /// A no-op for in-memory files and off Unix.
+    pub fn release_pages(&self) {
+        #[cfg(unix)]
+        if let Storage::Mmap(m) = &self.storage {
+            // SAFETY: the map is read-only and file-backed, so dropping its pages loses nothing:
+            // a later read faults them in again from the file.
+            let _ = unsafe { m.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
     /// The whole file.
     pub fn bytes(&self) -> &[u8] {
         self.storage.bytes()

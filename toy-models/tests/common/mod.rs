@@ -19,8 +19,10 @@ mod smollm2_path;
 #[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
 pub use smollm2_path::smollm2;
 
-/// A JSON fixture from `fixtures/smollm2/`.
+/// A JSON fixture from `fixtures/smollm2/`. They were made by llama.cpp's AVX-512 x86 build, so
+/// the CPU backend is set to reproduce that build's arithmetic.
 pub fn oracle(name: &str) -> serde_json::Value {
+    toy_kernels::flex::set_ggml_isa(toy_kernels::flex::GgmlIsa::Avx512);
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/smollm2/").to_string() + name;
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
@@ -89,11 +91,20 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/models")).join(name)
 }
 
+/// The llama.cpp outputs on `tiny-{name}.gguf`. The CPU backend is set to reproduce the
+/// llama.cpp build that made them (`ggml_isa`: `avx2`, or AVX-512 for the fixtures older than
+/// that field).
 pub fn expected(name: &str) -> Value {
-    serde_json::from_str(
+    let v: Value = serde_json::from_str(
         &std::fs::read_to_string(fixture(&format!("tiny-{name}.expected.json"))).unwrap(),
     )
-    .unwrap()
+    .unwrap();
+    use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
+    set_ggml_isa(match v["ggml_isa"].as_str() {
+        Some("avx2") => GgmlIsa::Avx2,
+        _ => GgmlIsa::Avx512,
+    });
+    v
 }
 
 pub fn load<B: ToyBackend>(name: &str, device: &B::Device) -> (GgufFile, String, Model<B>) {
