@@ -398,7 +398,11 @@ impl ModelConfig {
             out.push("LayerNorm with bias".to_string());
         }
         if let Some(s) = self.embed_scale {
-            out.push(format!("embeddings × {s}"));
+            if s == (self.d_model as f32).sqrt() {
+                out.push(format!("embeddings × √{}", self.d_model));
+            } else {
+                out.push(format!("embeddings × {s}"));
+            }
         }
         if let Some(s) = self.residual_scale {
             out.push(format!("sublayer outputs × {s} before each residual add"));
