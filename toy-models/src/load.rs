@@ -250,12 +250,14 @@ fn experts<B: ToyBackend>(
     let data = file.tensor_data(info);
     let per_expert = data.len() / n_expert;
     if PACKED_TYPES.contains(&info.ggml_type) {
-        return (0..n_expert)
+        let experts = (0..n_expert)
             .map(|e| {
                 let bytes = &data[e * per_expert..(e + 1) * per_expert];
                 packed(info, bytes, out, inp, true, device).map(QLinear::Packed)
             })
             .collect();
+        file.release_tensor_pages(info);
+        return experts;
     }
     let values = tensor_to_f32(file, info)?;
     Ok(values
@@ -293,13 +295,15 @@ fn embedding<B: ToyBackend>(
     device: &B::Device,
 ) -> Result<TokenEmbedding<B>, LoadError> {
     let info = tensor(file, "token_embd.weight", &[d, vocab])?;
-    if PACKED_TYPES.contains(&info.ggml_type) {
-        let p = packed(info, file.tensor_data(info), vocab, d, false, device)?;
-        return Ok(TokenEmbedding::Packed(p));
-    }
-    Ok(TokenEmbedding::Dense(Embedding {
-        weight: Param::from_tensor(dense_tensor(file, info, device)?),
-    }))
+    let table = if PACKED_TYPES.contains(&info.ggml_type) {
+        TokenEmbedding::Packed(packed(info, file.tensor_data(info), vocab, d, false, device)?)
+    } else {
+        TokenEmbedding::Dense(Embedding {
+            weight: Param::from_tensor(dense_tensor(file, info, device)?),
+        })
+    };
+    file.release_tensor_pages(info);
+    Ok(table)
 }
 
 /// Look up a tensor and check its ggml dims (`[in, out]` for a matrix).
@@ -397,6 +401,7 @@ fn split_linear<B: ToyBackend, const N: usize>(
             first += out;
         }
     }
+    file.release_tensor_pages(info);
     Ok(parts.try_into().unwrap_or_else(|_| unreachable!("one part per size")))
 }
 
@@ -409,15 +414,11 @@ pub(crate) fn linear<B: ToyBackend>(
     device: &B::Device,
 ) -> Result<QLinear<B>, LoadError> {
     let info = tensor(file, name, &[inp, out])?;
-    if PACKED_TYPES.contains(&info.ggml_type) {
-        return Ok(QLinear::Packed(packed(
-            info,
-            file.tensor_data(info),
-            out,
-            inp,
-            true,
-            device,
-        )?));
-    }
-    Ok(QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?)))
+    let weight = if PACKED_TYPES.contains(&info.ggml_type) {
+        QLinear::Packed(packed(info, file.tensor_data(info), out, inp, true, device)?)
+    } else {
+        QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?))
+    };
+    file.release_tensor_pages(info);
+    Ok(weight)
 }

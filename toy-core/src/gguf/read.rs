@@ -138,6 +138,23 @@ impl GgufFile {
         }
     }
 
+    /// [`release_pages`](Self::release_pages) for one tensor's bytes, once they have been copied
+    /// out: a loader that releases each tensor as it goes never holds the file and the model in
+    /// memory at once. (The pages at the range's ends may hold neighbours' bytes; those are simply
+    /// read again if touched.)
+    pub fn release_tensor_pages(&self, info: &TensorInfo) {
+        #[cfg(unix)]
+        if let Storage::Mmap(m) = &self.storage {
+            let start = (self.data_offset + info.offset) as usize;
+            // SAFETY: as in `release_pages`: read-only, file-backed.
+            let _ = unsafe {
+                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, info.n_bytes() as usize)
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = info;
+    }
+
     /// The whole file.
     pub fn bytes(&self) -> &[u8] {
         self.storage.bytes()
