@@ -98,9 +98,7 @@ fn bench<B: ToyBackend>(device: B::Device) {
         let shape = format!("{m}×{k} · ({n}×{k})ᵀ");
         let flops = 2.0 * (m * n * k) as f64;
         let q8_bytes = (n * k / 32 * 34) as f64;
-        let toy = time::<B, _>(&device, || {
-            B::packed_matmul(prim(&x), packed())
-        });
+        let toy = time::<B, _>(&device, || B::packed_matmul(prim(&x), packed()));
         row("q8_0_matmul", &shape, "toy", toy, q8_bytes, flops);
         let refr = time::<B, _>(&device, || {
             reference::packed_matmul::<B>(prim(&x), packed())

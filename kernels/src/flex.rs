@@ -88,7 +88,10 @@ fn detect_cpu_level() -> CpuLevel {
             _ => std::is_x86_feature_detected!("avx512vnni"),
         };
         if ["avx2", "fma", "f16c"].iter().all(|f| has(f)) {
-            if ["avx512f", "avx512bw", "avx512vl", "avx512vnni"].iter().all(|f| has(f)) {
+            if ["avx512f", "avx512bw", "avx512vl", "avx512vnni"]
+                .iter()
+                .all(|f| has(f))
+            {
                 return CpuLevel::Avx512;
             }
             return CpuLevel::Avx2;
@@ -123,7 +126,10 @@ pub fn ggml_isa() -> GgmlIsa {
 fn host_ggml_isa() -> GgmlIsa {
     let forced_down = matches!(std::env::var("TOY_CPU").as_deref(), Ok("avx2" | "scalar"));
     #[cfg(target_arch = "x86_64")]
-    if !forced_down && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq") {
+    if !forced_down
+        && std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512dq")
+    {
         return GgmlIsa::Avx512;
     }
     let _ = forced_down;
@@ -206,14 +212,18 @@ impl ToyBackend for Flex {
 
     fn packed_dequantize(w: PackedTensor<Self>) -> FloatTensor<Self> {
         let Some(host) = HostWeight::new(&w) else {
-            return reference::packed_dequantize::<Self>(w).into_primitive().tensor();
+            return reference::packed_dequantize::<Self>(w)
+                .into_primitive()
+                .tensor();
         };
         let v = host.view();
         let mut out = vec![0.0f32; v.rows * v.cols];
-        out.par_chunks_mut(v.cols * 64).enumerate().for_each(|(c, rows)| {
-            let r0 = c * 64;
-            rows.copy_from_slice(&dequantize_rows(&v, r0..r0 + rows.len() / v.cols));
-        });
+        out.par_chunks_mut(v.cols * 64)
+            .enumerate()
+            .for_each(|(c, rows)| {
+                let r0 = c * 64;
+                rows.copy_from_slice(&dequantize_rows(&v, r0..r0 + rows.len() / v.cols));
+            });
         FlexTensor::from_data(TensorData::new(out, [v.rows, v.cols]))
     }
 
@@ -225,7 +235,10 @@ impl ToyBackend for Flex {
         let rows = host.view().rows as i64;
         if ids.iter().any(|&i| !(0..rows).contains(&i)) {
             // Out of range: let the reference body's `select` report it as burn does.
-            return reference::packed_rows::<Self>(w, FlexTensor::from_data(TensorData::new(ids.clone(), [ids.len()])));
+            return reference::packed_rows::<Self>(
+                w,
+                FlexTensor::from_data(TensorData::new(ids.clone(), [ids.len()])),
+            );
         }
         let cols = w.cols;
         let mut out = vec![0.0f32; ids.len() * cols];
@@ -646,7 +659,6 @@ macro_rules! with_fma {
     };
 }
 
-
 mod attention;
 #[cfg(test)]
 mod avx2_fixture_tests;
@@ -659,9 +671,9 @@ mod grad;
 mod linear;
 mod loss;
 mod optim;
-mod vnni;
 mod qmatmul;
 mod reduce;
+mod vnni;
 
 use attention::*;
 use elementwise::*;
@@ -757,4 +769,3 @@ mod run_pass_tests {
         assert_eq!(pool.install(|| Flex::run_pass(|| 7)), 7);
     }
 }
-

@@ -95,7 +95,9 @@ pub trait ToyBackend: Backend {
     /// The whole packed weight widened to f32 `[rows, cols]`, as ggml's `dequantize_row_*`
     /// computes it (merging adapters into a quantized base, `toy convert`).
     fn packed_dequantize(w: PackedTensor<Self>) -> FloatTensor<Self> {
-        reference::packed_dequantize::<Self>(w).into_primitive().tensor()
+        reference::packed_dequantize::<Self>(w)
+            .into_primitive()
+            .tensor()
     }
 
     /// A dense linear layer without bias: `y[m, n] = x[m, k] · w[n, k]ᵀ` (PyTorch's

@@ -147,7 +147,10 @@ pub fn pack(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<Host
     } else {
         let per_row = row_words(ty, cols);
         let mut words = vec![0u32; rows * per_row];
-        for (row, out) in bytes.chunks_exact(row_bytes).zip(words.chunks_exact_mut(per_row)) {
+        for (row, out) in bytes
+            .chunks_exact(row_bytes)
+            .zip(words.chunks_exact_mut(per_row))
+        {
             let out: &mut [u8] = bytemuck::cast_slice_mut(out);
             out[..row_bytes].copy_from_slice(row);
         }
@@ -310,6 +313,10 @@ mod tests {
         let err = pack(GgmlType::Q6K, &[0; 100], 1, 256).unwrap_err();
         assert!(err.to_string().contains("truncated"), "{err}");
         let err = pack(GgmlType::Q8K, &[0; 292], 1, 256).unwrap_err();
-        assert!(err.to_string().starts_with("Q8_K weights are not kept packed"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("Q8_K weights are not kept packed"),
+            "{err}"
+        );
     }
 }

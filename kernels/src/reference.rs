@@ -97,7 +97,10 @@ pub fn packed_matmul<B: Backend>(x: FloatTensor<B>, w: PackedTensor<B>) -> Float
 }
 
 /// `dy · dequant(w)`.
-pub fn packed_matmul_backward<B: Backend>(dy: FloatTensor<B>, w: PackedTensor<B>) -> FloatTensor<B> {
+pub fn packed_matmul_backward<B: Backend>(
+    dy: FloatTensor<B>,
+    w: PackedTensor<B>,
+) -> FloatTensor<B> {
     let dy = float::<B, 2>(dy);
     let w = packed_dequantize::<B>(w).cast(dy.dtype());
     dy.matmul(w).into_primitive().tensor()
@@ -146,7 +149,10 @@ pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
                 mins: &[],
             };
             let values = dequantize_rows(&view, 0..rows);
-            Tensor::from_data(TensorData::new(values, [rows, w.cols]), (&device, DType::F32))
+            Tensor::from_data(
+                TensorData::new(values, [rows, w.cols]),
+                (&device, DType::F32),
+            )
         }
     }
 }

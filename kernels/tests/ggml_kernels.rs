@@ -22,7 +22,9 @@ fn fixture(ty: GgmlType) -> GgufFile {
 }
 
 fn f32s(file: &GgufFile, name: &str) -> Vec<f32> {
-    let info = file.tensor(name).unwrap_or_else(|| panic!("no tensor {name}"));
+    let info = file
+        .tensor(name)
+        .unwrap_or_else(|| panic!("no tensor {name}"));
     tensor_to_f32(file, info).unwrap()
 }
 
@@ -69,7 +71,11 @@ fn packed_matmuls_are_bit_identical_to_llama_cpp_avx2() {
             for (repackable, which) in [(true, "repack"), (false, "plain")] {
                 let want = f32s(&file, &format!("y.{which}.m{m}"));
                 let got = flex_matmul(&file, ty, m, repackable);
-                assert_eq!((got.len(), want.len()), (24 * m, 24 * m), "{ty} {which} m={m}");
+                assert_eq!(
+                    (got.len(), want.len()),
+                    (24 * m, 24 * m),
+                    "{ty} {which} m={m}"
+                );
                 compared += got.len();
                 let bad: Vec<(usize, f32, f32)> = got
                     .iter()
@@ -79,7 +85,10 @@ fn packed_matmuls_are_bit_identical_to_llama_cpp_avx2() {
                     .map(|(i, (g, w))| (i, *g, *w))
                     .collect();
                 if !bad.is_empty() {
-                    let worst = bad.iter().map(|(_, g, w)| (g - w).abs()).fold(0.0, f32::max);
+                    let worst = bad
+                        .iter()
+                        .map(|(_, g, w)| (g - w).abs())
+                        .fold(0.0, f32::max);
                     failures.push(format!(
                         "{ty} {which} m={m}: {} of {} outputs differ (max {worst:e}), first {:?}",
                         bad.len(),

@@ -47,7 +47,10 @@ fn packed_tensor<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> PackedTensor<B
         cols: p.cols,
         words: words.into_primitive(),
         scales: Some(scales.into_primitive().tensor()),
-        mins: p.mins.as_ref().map(|_| mins::<B>(p, d).into_primitive().tensor()),
+        mins: p
+            .mins
+            .as_ref()
+            .map(|_| mins::<B>(p, d).into_primitive().tensor()),
         repackable: false,
     }
 }
@@ -424,12 +427,11 @@ fn check_grads<B: ToyBackend>() {
         .backward();
     let got = host(xt.grad(&g).unwrap());
     let xr = float::<Ref, 2>(x, [m, k], &dr).require_grad();
-    let y = Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::packed_matmul::<
-        Ref,
-    >(
-        xr.clone().into_primitive().tensor(),
-        packed_tensor::<Ref>(&p, &dr),
-    )));
+    let y =
+        Tensor::<Ref, 2>::from_primitive(TensorPrimitive::Float(reference::packed_matmul::<Ref>(
+            xr.clone().into_primitive().tensor(),
+            packed_tensor::<Ref>(&p, &dr),
+        )));
     let g = (y * float::<Ref, 2>(r, [m, n], &dr)).sum().backward();
     close("q8_0_matmul dX", &got, &host(xr.grad(&g).unwrap()), 1e-5);
 

@@ -3,8 +3,9 @@
 use crate::gguf::{GgufError, GgufFile};
 
 /// Architectures whose GGUF files toy can load.
-pub const SUPPORTED_ARCHITECTURES: &[&str] =
-    &["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmoe", "gpt2"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmoe", "gpt2",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -283,18 +284,25 @@ impl ModelConfig {
             None => Vec::new(),
             // ggml's pattern of period n (gemma2: 2, gemma3: 6), sliding-window layers first;
             // or an explicit flag per layer.
-            Some(_) if gemma2 || gemma3 => swa_pattern(file, &key, n_layer, if gemma3 { 6 } else { 2 })?,
+            Some(_) if gemma2 || gemma3 => {
+                swa_pattern(file, &key, n_layer, if gemma3 { 6 } else { 2 })?
+            }
             Some(_) => vec![true; n_layer],
         };
         let rope_theta_swa = match (sliding_window, gemma3) {
-            (Some(_), true) => Some(file.get_f64(&key("rope.freq_base_swa"))?.map_or(10_000.0, |v| v as f32)),
+            (Some(_), true) => Some(
+                file.get_f64(&key("rope.freq_base_swa"))?
+                    .map_or(10_000.0, |v| v as f32),
+            ),
             _ => None,
         };
         // smollm3: llama.cpp hard-codes a RoPE-less layer every 4 (no metadata key); granite
         // files with `rope.scaling.finetuned = false` have none at all.
         let no_rope_layers = match arch.as_str() {
             "smollm3" => (0..n_layer).map(|il| (il + 1) % 4 == 0).collect(),
-            "granite" if file.get_bool(&key("rope.scaling.finetuned"))? == Some(false) => vec![true; n_layer],
+            "granite" if file.get_bool(&key("rope.scaling.finetuned"))? == Some(false) => {
+                vec![true; n_layer]
+            }
             _ => Vec::new(),
         };
         let long_rope_context = match (arch.as_str(), file.tensor("rope_factors_long.weight")) {
@@ -306,7 +314,9 @@ impl ModelConfig {
         };
         let fused_qkv = file.tensor("blk.0.attn_qkv.weight").is_some();
         let fused_gate_up = file.tensor("blk.0.ffn_gate.weight").is_none()
-            && file.tensor("blk.0.ffn_up.weight").is_some_and(|t| t.dims.get(1) == Some(&(2 * d_ff as u64)));
+            && file
+                .tensor("blk.0.ffn_up.weight")
+                .is_some_and(|t| t.dims.get(1) == Some(&(2 * d_ff as u64)));
         // llama.cpp's f_attention_scale for gemma2/3: 1/sqrt(head_dim), except the 27B models
         // (46 layers for gemma2, 62 for gemma3), which use 1/sqrt(d_model / n_head); phi3 scales
         // its queries by 1/sqrt(head_dim) too (then the scores by 1).
@@ -325,15 +335,28 @@ impl ModelConfig {
                 None => Ok(None),
                 Some(v) if v == 0.0 => Ok(None),
                 Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v as f32)),
-                Some(v) => Err(ConfigError::Invalid(format!("{} = {v} must be positive", key(k)))),
+                Some(v) => Err(ConfigError::Invalid(format!(
+                    "{} = {v} must be positive",
+                    key(k)
+                ))),
             }
         };
         let (embed_scale, residual_scale, logit_scale, kq_scale) = if granite {
             let logit = positive("logit_scale")?
                 .ok_or_else(|| GgufError::MissingKey(key("logit_scale")))?;
-            (positive("embedding_scale")?, positive("residual_scale")?, Some(logit), positive("attention.scale")?)
+            (
+                positive("embedding_scale")?,
+                positive("residual_scale")?,
+                Some(logit),
+                positive("attention.scale")?,
+            )
         } else {
-            ((gemma2 || gemma3).then(|| (d_model as f32).sqrt()), None, None, None)
+            (
+                (gemma2 || gemma3).then(|| (d_model as f32).sqrt()),
+                None,
+                None,
+                None,
+            )
         };
         let rope_attn_factor = file
             .get_f64(&key("rope.scaling.attn_factor"))?
@@ -427,7 +450,10 @@ impl ModelConfig {
             out.push(format!("no RoPE on {n} of {} layers", self.n_layer));
         }
         if let Some(orig) = self.long_rope_context {
-            out.push(format!("LongRoPE (long factors past {orig} tokens of context, cos/sin × {})", self.rope_attn_factor));
+            out.push(format!(
+                "LongRoPE (long factors past {orig} tokens of context, cos/sin × {})",
+                self.rope_attn_factor
+            ));
         }
         if self.post_norms {
             out.push("RMSNorm before and after each sublayer".to_string());
@@ -559,9 +585,13 @@ fn swa_pattern(
         let flags: Option<Vec<bool>> = flags.iter().map(|v| v.as_bool()).collect();
         return match flags {
             Some(f) if f.len() == n_layer => Ok(f),
-            _ => Err(ConfigError::Invalid(format!("{k} must be one bool per layer ({n_layer})"))),
+            _ => Err(ConfigError::Invalid(format!(
+                "{k} must be one bool per layer ({n_layer})"
+            ))),
         };
     }
     let period = file.get_u64(&k)?.map_or(default_period, |v| v as usize);
-    Ok((0..n_layer).map(|il| period == 0 || il % period < period - 1).collect())
+    Ok((0..n_layer)
+        .map(|il| period == 0 || il % period < period - 1)
+        .collect())
 }

@@ -15,10 +15,10 @@ pub mod model;
 pub mod qlinear;
 pub mod save;
 
+pub use embedding::TokenEmbedding;
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{KvCache, LlamaConfig, Transformer};
 pub use load::{LoadError, load};
 pub use model::{CausalLm, Model, load_model};
-pub use embedding::TokenEmbedding;
 pub use qlinear::{PackedMatrix, QLinear};
 pub use save::{SaveError, save, save_gpt2};

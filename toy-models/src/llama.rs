@@ -16,8 +16,8 @@ use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive
 use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
-use crate::lora::{BlockLora, Target, project};
 use crate::embedding::TokenEmbedding;
+use crate::lora::{BlockLora, Target, project};
 use crate::qlinear::QLinear;
 
 /// The shape of a llama-family model.
@@ -173,7 +173,9 @@ impl LlamaConfig {
         if self.no_rope_layers.get(i).copied().unwrap_or(false) {
             return None;
         }
-        Some(usize::from(self.rope_theta_swa.is_some() && self.window(i).is_some()))
+        Some(usize::from(
+            self.rope_theta_swa.is_some() && self.window(i).is_some(),
+        ))
     }
 
     fn rope_dim(&self) -> usize {
@@ -265,9 +267,8 @@ impl LlamaConfig {
                 lora: None,
             })
             .collect();
-        let token_embd = TokenEmbedding::Dense(
-            EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
-        );
+        let token_embd =
+            TokenEmbedding::Dense(EmbeddingConfig::new(self.vocab_size, self.d_model).init(device));
         let output = if self.tied_embeddings {
             token_embd.tied_head()
         } else {
@@ -543,7 +544,8 @@ impl<B: ToyBackend> Transformer<B> {
             let (cos, sin) = rope.cos_sin(past as i64..(past + t) as i64);
             let half = cos.len() / t;
             // f32 tables whatever the activation type: the angles need the precision.
-            let f32_table = |v| Tensor::from_data(TensorData::new(v, [t, half]), (&device, DType::F32));
+            let f32_table =
+                |v| Tensor::from_data(TensorData::new(v, [t, half]), (&device, DType::F32));
             (f32_table(cos), f32_table(sin))
         };
         let step = Step {
@@ -757,7 +759,10 @@ impl<B: ToyBackend> Attention<B> {
             self.n_head_kv,
         );
         let (mut q, k) = match self.rope_set {
-            Some(set) => (self.rope(q, &step.tables[set], model), self.rope(k, &step.tables[set], model)),
+            Some(set) => (
+                self.rope(q, &step.tables[set], model),
+                self.rope(k, &step.tables[set], model),
+            ),
             None => (q, k),
         };
         let (k, v) = cache.append(layer, k, v);

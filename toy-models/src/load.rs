@@ -77,7 +77,13 @@ pub fn load<B: ToyBackend>(
         // phi3 stores Q|K|V as one `attn_qkv` matrix: its rows are split here, still packed.
         let [wq, wk, wv] = match c.fused_qkv {
             true => {
-                let [q, k, v] = split_linear(file, &name("attn_qkv"), c.d_model, [qdim, kvdim, kvdim], device)?;
+                let [q, k, v] = split_linear(
+                    file,
+                    &name("attn_qkv"),
+                    c.d_model,
+                    [qdim, kvdim, kvdim],
+                    device,
+                )?;
                 tick();
                 tick();
                 tick();
@@ -141,12 +147,21 @@ pub fn load<B: ToyBackend>(
                 // phi3's `ffn_up` holds the gate's rows, then the up projection's.
                 let [gate, up] = match c.fused_gate_up {
                     true => {
-                        let parts = split_linear(file, &name("ffn_up"), c.d_model, [c.d_ff, c.d_ff], device)?;
+                        let parts = split_linear(
+                            file,
+                            &name("ffn_up"),
+                            c.d_model,
+                            [c.d_ff, c.d_ff],
+                            device,
+                        )?;
                         tick();
                         tick();
                         parts
                     }
-                    false => [lin("ffn_gate", c.d_model, c.d_ff)?, lin("ffn_up", c.d_model, c.d_ff)?],
+                    false => [
+                        lin("ffn_gate", c.d_model, c.d_ff)?,
+                        lin("ffn_up", c.d_model, c.d_ff)?,
+                    ],
                 };
                 Ffn::Dense(Mlp {
                     gate,
@@ -296,7 +311,14 @@ fn embedding<B: ToyBackend>(
 ) -> Result<TokenEmbedding<B>, LoadError> {
     let info = tensor(file, "token_embd.weight", &[d, vocab])?;
     let table = if PACKED_TYPES.contains(&info.ggml_type) {
-        TokenEmbedding::Packed(packed(info, file.tensor_data(info), vocab, d, false, device)?)
+        TokenEmbedding::Packed(packed(
+            info,
+            file.tensor_data(info),
+            vocab,
+            d,
+            false,
+            device,
+        )?)
     } else {
         TokenEmbedding::Dense(Embedding {
             weight: Param::from_tensor(dense_tensor(file, info, device)?),
@@ -387,7 +409,9 @@ fn split_linear<B: ToyBackend, const N: usize>(
         let row = data.len() / outs.iter().sum::<usize>();
         for out in outs {
             let bytes = &data[first * row..(first + out) * row];
-            parts.push(QLinear::Packed(packed(info, bytes, out, inp, true, device)?));
+            parts.push(QLinear::Packed(packed(
+                info, bytes, out, inp, true, device,
+            )?));
             first += out;
         }
     } else {
@@ -402,7 +426,9 @@ fn split_linear<B: ToyBackend, const N: usize>(
         }
     }
     file.release_tensor_pages(info);
-    Ok(parts.try_into().unwrap_or_else(|_| unreachable!("one part per size")))
+    Ok(parts
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one part per size")))
 }
 
 /// A weight `[in, out]` (ggml order) as a `QLinear`: packed types stay packed, the rest is f32.
@@ -415,7 +441,14 @@ pub(crate) fn linear<B: ToyBackend>(
 ) -> Result<QLinear<B>, LoadError> {
     let info = tensor(file, name, &[inp, out])?;
     let weight = if PACKED_TYPES.contains(&info.ggml_type) {
-        QLinear::Packed(packed(info, file.tensor_data(info), out, inp, true, device)?)
+        QLinear::Packed(packed(
+            info,
+            file.tensor_data(info),
+            out,
+            inp,
+            true,
+            device,
+        )?)
     } else {
         QLinear::Dense(Param::from_tensor(dense_tensor(file, info, device)?))
     };

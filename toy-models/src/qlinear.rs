@@ -8,8 +8,8 @@
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
-use toy_kernels::packed::{GgmlType, HostPacked, PackedTensor};
 use toy_kernels::ToyBackend;
+use toy_kernels::packed::{GgmlType, HostPacked, PackedTensor};
 
 /// A weight `[rows, cols]` in its GGUF block format (layouts: `toy_kernels::packed`).
 #[derive(Module, Debug)]
@@ -77,8 +77,14 @@ impl<B: ToyBackend> PackedMatrix<B> {
             ty: self.ty,
             cols: self.cols,
             words: self.words.val().into_primitive(),
-            scales: self.scales.as_ref().map(|s| s.val().into_primitive().tensor()),
-            mins: self.mins.as_ref().map(|m| m.val().into_primitive().tensor()),
+            scales: self
+                .scales
+                .as_ref()
+                .map(|s| s.val().into_primitive().tensor()),
+            mins: self
+                .mins
+                .as_ref()
+                .map(|m| m.val().into_primitive().tensor()),
             repackable: self.repackable,
         }
     }

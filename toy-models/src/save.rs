@@ -14,11 +14,11 @@ use std::path::Path;
 use burn::module::Param;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use toy_kernels::ToyBackend;
 use toy_core::gguf::{GgmlType, GgufError, GgufWriter, Value};
+use toy_kernels::ToyBackend;
 
-use crate::gpt2::{Gpt2, Gpt2Config, LayerNorm, Linear};
 use crate::embedding::TokenEmbedding;
+use crate::gpt2::{Gpt2, Gpt2Config, LayerNorm, Linear};
 use crate::llama::{Ffn, LlamaConfig, Transformer};
 use crate::qlinear::{PackedMatrix, QLinear};
 use toy_kernels::packed::{HostPackedView, gguf_row};
@@ -71,8 +71,11 @@ pub fn to_gguf<B: ToyBackend>(
     if config.n_expert > 0 {
         return Err(SaveError::Architecture("a mixture-of-experts MLP (olmoe)"));
     }
-    if config.residual_scale.is_some() || config.logit_scale.is_some() || config.kq_scale.is_some() {
-        return Err(SaveError::Architecture("granite's residual, logit or attention scales"));
+    if config.residual_scale.is_some() || config.logit_scale.is_some() || config.kq_scale.is_some()
+    {
+        return Err(SaveError::Architecture(
+            "granite's residual, logit or attention scales",
+        ));
     }
     if config.rope_theta_swa.is_some() || !config.no_rope_layers.is_empty() {
         return Err(SaveError::Architecture(
@@ -322,7 +325,10 @@ fn add_packed<B: ToyBackend>(
             .transpose()
             .map_err(|e| readback(format!("{e:?}")))
     };
-    let (scales, mins) = (f32s(&p.scales)?.unwrap_or_default(), f32s(&p.mins)?.unwrap_or_default());
+    let (scales, mins) = (
+        f32s(&p.scales)?.unwrap_or_default(),
+        f32s(&p.mins)?.unwrap_or_default(),
+    );
     let view = HostPackedView {
         ty: p.ty,
         rows: shape[0],

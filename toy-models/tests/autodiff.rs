@@ -56,7 +56,9 @@ enum ParamMut<'a, B: Backend> {
 fn param<B: Backend>(model: &mut Transformer<B>, which: Which) -> ParamMut<'_, B> {
     use ParamMut::{Matrix, Vector};
     match which {
-        Which::Embedding => Matrix(&mut model.token_embd.dense_mut().expect("a dense table").weight),
+        Which::Embedding => {
+            Matrix(&mut model.token_embd.dense_mut().expect("a dense table").weight)
+        }
         Which::Wq(l) => Matrix(dense(&mut model.blocks[l].attn.wq)),
         Which::Wk(l) => Matrix(dense(&mut model.blocks[l].attn.wk)),
         Which::Wv(l) => Matrix(dense(&mut model.blocks[l].attn.wv)),

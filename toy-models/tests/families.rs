@@ -31,7 +31,6 @@ use toy_core::tokenizer::Tokenizer;
 use toy_kernels::ToyBackend;
 use toy_models::{Model, load_model};
 
-
 /// Q8_0 fixtures: bit-exact arithmetic, so the oracle's print precision.
 const QUANTIZED_TOL: f64 = 2e-6;
 /// F32 fixtures without GELU: see the module docs.
@@ -244,7 +243,10 @@ fn unsupported_architecture_names_the_supported_ones() {
     .err()
     .unwrap()
     .to_string();
-    for arch in ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmoe", "gpt2"] {
+    for arch in [
+        "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmoe",
+        "gpt2",
+    ] {
         assert!(err.contains(arch), "{err}");
     }
 }

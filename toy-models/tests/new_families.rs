@@ -42,7 +42,14 @@ const GELU_TOL: f64 = 5e-4;
 /// Fixture `name` (architecture `arch`) on backend `B`, run with a context of `n_ctx` tokens if
 /// given. Greedy ids must equal llama.cpp's up to the first step whose llama.cpp top-2 margin is
 /// below `min_margin` (0: every step), logits be within `tol` at every prompt position.
-fn check_on<B: ToyBackend>(name: &str, arch: &str, tol: f64, n_ctx: Option<usize>, min_margin: f64, device: &B::Device) {
+fn check_on<B: ToyBackend>(
+    name: &str,
+    arch: &str,
+    tol: f64,
+    n_ctx: Option<usize>,
+    min_margin: f64,
+    device: &B::Device,
+) {
     let expected = expected(name);
     assert_eq!(expected["ggml_isa"], "avx2");
     let (file, architecture, mut model) = load::<B>(name, device);
@@ -54,16 +61,31 @@ fn check_on<B: ToyBackend>(name: &str, arch: &str, tol: f64, n_ctx: Option<usize
     for case in expected["greedy"].as_array().unwrap() {
         let prompt = ids(&case["prompt_ids"]);
         let text = case["prompt"].as_str().unwrap();
-        assert_eq!(tokenizer.encode(text, true, true).unwrap(), prompt, "{name}: tokens of {text:?}");
-        let margins: Vec<f64> = case["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
-        let steps = margins.iter().position(|&m| m < min_margin).unwrap_or(margins.len());
+        assert_eq!(
+            tokenizer.encode(text, true, true).unwrap(),
+            prompt,
+            "{name}: tokens of {text:?}"
+        );
+        let margins: Vec<f64> = case["margins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m.as_f64().unwrap())
+            .collect();
+        let steps = margins
+            .iter()
+            .position(|&m| m < min_margin)
+            .unwrap_or(margins.len());
         let want = &ids(&case["gen_ids"])[..steps];
         let got = common::greedy(&model, &prompt, steps);
         assert_eq!(got, want, "{name}: greedy ids after {text:?}");
     }
     let worst = logit_deviation(&model, &expected, device);
     eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
-    assert!(worst <= tol, "{name}: logits differ from llama.cpp's by {worst:e} (tolerance {tol:e})");
+    assert!(
+        worst <= tol,
+        "{name}: logits differ from llama.cpp's by {worst:e} (tolerance {tol:e})"
+    );
 }
 
 /// On the CPU backend, every step.
@@ -132,7 +154,10 @@ fn configs_read_the_variants() {
     let g = config("gemma3");
     let local: Vec<usize> = (0..8).filter(|&i| g.swa_layers[i]).collect();
     assert_eq!(local, [0, 1, 2, 3, 4, 6, 7]);
-    assert_eq!((g.sliding_window, g.rope_theta_swa), (Some(4), Some(10_000.0)));
+    assert_eq!(
+        (g.sliding_window, g.rope_theta_swa),
+        (Some(4), Some(10_000.0))
+    );
     assert_eq!(g.query_scale, Some(1.0 / 32f32.sqrt()));
     assert_eq!(g.final_softcap, None);
     let n = config("gemma3-noswa");
@@ -161,9 +186,15 @@ fn bad_new_family_files_are_refused_clearly() {
         }
     };
     let kv = err("gemma3-bad-kv");
-    assert!(kv.contains("head_count 4") && kv.contains("head_count_kv 3"), "{kv}");
+    assert!(
+        kv.contains("head_count 4") && kv.contains("head_count_kv 3"),
+        "{kv}"
+    );
     let rope = err("phi3-bad-rope");
-    assert!(rope.contains("rope_factors_long.weight") && rope.contains("14"), "{rope}");
+    assert!(
+        rope.contains("rope_factors_long.weight") && rope.contains("14"),
+        "{rope}"
+    );
     for e in [kv, rope] {
         assert!(!e.contains('\n'), "{e}");
     }

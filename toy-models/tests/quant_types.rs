@@ -33,14 +33,21 @@ fn check(name: &str) {
     for case in expected["greedy"].as_array().unwrap() {
         let prompt = ids(&case["prompt_ids"]);
         let text = case["prompt"].as_str().unwrap();
-        assert_eq!(tokenizer.encode(text, true, true).unwrap(), prompt, "{name}: tokens of {text:?}");
+        assert_eq!(
+            tokenizer.encode(text, true, true).unwrap(),
+            prompt,
+            "{name}: tokens of {text:?}"
+        );
         let want = ids(&case["gen_ids"]);
         let got = common::greedy(&model, &prompt, want.len());
         assert_eq!(got, want, "{name}: greedy ids after {text:?}");
     }
     let worst = logit_deviation(&model, &expected, &device);
     eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
-    assert!(worst <= TOL, "{name}: logits differ from llama.cpp's by {worst:e}");
+    assert!(
+        worst <= TOL,
+        "{name}: logits differ from llama.cpp's by {worst:e}"
+    );
 }
 
 #[test]
@@ -72,17 +79,22 @@ fn q4_k_m_preset_matches_llama_cpp() {
 fn model_cache() -> std::path::PathBuf {
     std::env::var_os("TOY_MODEL_CACHE")
         .map(Into::into)
-        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/toy-models"))
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/toy-models")
+        })
 }
 
 fn json(path: std::path::PathBuf) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
 }
 
 fn open(path: &std::path::Path) -> toy_models::Model<Flex> {
-    let file = toy_core::gguf::GgufFile::open(path)
-        .unwrap_or_else(|e| panic!("{e} (make it with the script named at the top of this section)"));
+    let file = toy_core::gguf::GgufFile::open(path).unwrap_or_else(|e| {
+        panic!("{e} (make it with the script named at the top of this section)")
+    });
     toy_models::load_model::<Flex>(&file, &Default::default(), |_, _| {})
         .unwrap()
         .1
@@ -95,9 +107,13 @@ fn open(path: &std::path::Path) -> toy_models::Model<Flex> {
 fn smollm2_in_every_type_matches_llama_cpp() {
     use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
     set_ggml_isa(GgmlIsa::Avx2);
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/smollm2/quant-types");
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/smollm2/quant-types");
     let mut report = Vec::new();
-    for ty in ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_1", "Q5_0", "Q4_K_M", "IQ4_NL", "IQ4_XS", "Q4_0", "Q3_K_M", "Q2_K"] {
+    for ty in [
+        "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_1", "Q5_0", "Q4_K_M", "IQ4_NL",
+        "IQ4_XS", "Q4_0", "Q3_K_M", "Q2_K",
+    ] {
         let oracle = json(dir.join(format!("{ty}.json")));
         let model = open(&model_cache().join(oracle["file"]["name"].as_str().unwrap()));
         let mut same = 0;
@@ -106,7 +122,12 @@ fn smollm2_in_every_type_matches_llama_cpp() {
             let want = ids(&case["gen_ids"]);
             let got = common::greedy(&model, &prompt, want.len());
             let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-            assert_eq!(agree, want.len(), "{ty}: greedy ids after {:?} leave llama.cpp's at step {agree}", case["prompt"]);
+            assert_eq!(
+                agree,
+                want.len(),
+                "{ty}: greedy ids after {:?} leave llama.cpp's at step {agree}",
+                case["prompt"]
+            );
             same += agree;
         }
         let sixteen = &oracle["sixteen"];
@@ -116,12 +137,20 @@ fn smollm2_in_every_type_matches_llama_cpp() {
         for p in sixteen["positions"].as_array().unwrap() {
             let row = &rows[p["pos"].as_u64().unwrap() as usize];
             for pair in p["top"].as_array().unwrap() {
-                let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+                let (id, want) = (
+                    pair[0].as_u64().unwrap() as usize,
+                    pair[1].as_f64().unwrap(),
+                );
                 worst = worst.max((row[id] as f64 - want).abs());
             }
         }
-        report.push(format!("{ty}: {same}/160 greedy ids, top-5 logits within {worst:.1e}"));
-        assert!(worst <= TOL, "{ty}: logits differ from llama.cpp's by {worst:e}");
+        report.push(format!(
+            "{ty}: {same}/160 greedy ids, top-5 logits within {worst:.1e}"
+        ));
+        assert!(
+            worst <= TOL,
+            "{ty}: logits differ from llama.cpp's by {worst:e}"
+        );
     }
     eprintln!("{}", report.join("\n"));
 }
@@ -133,7 +162,10 @@ fn smollm2_in_every_type_matches_llama_cpp() {
 fn llama_1b_shape_matches_llama_cpp() {
     use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
     set_ggml_isa(GgmlIsa::Avx2);
-    let oracle = json(std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/llama-1b-shape/expected.json"));
+    let oracle = json(
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/llama-1b-shape/expected.json"),
+    );
     for (name, m) in oracle["models"].as_object().unwrap() {
         let model = open(&model_cache().join("llama-1b-shape").join(name));
         for case in m["greedy"].as_array().unwrap() {

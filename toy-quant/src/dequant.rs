@@ -365,7 +365,8 @@ fn iq4_xs(b: &[u8; 136], y: &mut [f32; 256]) {
     let scales_h = u16::from_le_bytes([b[2], b[3]]) as i32;
     let scales_l = &b[4..8];
     for ib in 0..8 {
-        let ls = ((scales_l[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32 | (((scales_h >> (2 * ib)) & 3) << 4);
+        let ls = ((scales_l[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32
+            | (((scales_h >> (2 * ib)) & 3) << 4);
         let dl = d * (ls - 32) as f32;
         let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
         let y = &mut y[32 * ib..32 * ib + 32];

@@ -179,4 +179,3 @@ impl fmt::Display for GgmlType {
         f.write_str(self.name())
     }
 }
-

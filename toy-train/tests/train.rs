@@ -158,7 +158,10 @@ fn gradient_accumulation_equals_one_big_batch() {
         (loss_acc - loss_one).abs() < 1e-5,
         "{loss_acc} vs {loss_one}"
     );
-    let id = toy_train::model::token_embd(&model.model).unwrap().weight.id;
+    let id = toy_train::model::token_embd(&model.model)
+        .unwrap()
+        .weight
+        .id;
     let get = |g: &burn::optim::GradientsParams| -> Vec<f32> {
         g.get::<Flex, 2>(id)
             .unwrap()

@@ -59,7 +59,13 @@ impl AttnDims {
 /// 16-wide chunk sums added in f64, then multiply by `(float)(1/sum)`), then `kqv = Vᵀ·p` —
 /// vec_dot_f32 for one query row, llamafile's tinyBLAS (one 16-lane FMA accumulator, then a
 /// horizontal sum) for several. Query heads `i` read K/V head `i / (h / h_kv)`.
-pub(super) fn attention_ggml(q: &[f32], k: &[f32], v: &[f32], s: &AttnDims, o: &AttentionOptions) -> Vec<f32> {
+pub(super) fn attention_ggml(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: &AttnDims,
+    o: &AttentionOptions,
+) -> Vec<f32> {
     let AttnDims {
         b,
         h,
@@ -532,7 +538,14 @@ pub(super) fn vec_dot_f32_16keys(kt: &[f32], stride: usize, j0: usize, q: &[f32]
 /// 16 lanes are summed as `reduce_add16`. Sixteen columns at a time, so that the 16 lanes × 16
 /// columns stay in registers while V is read row by row.
 #[inline(always)]
-pub(super) fn weighted_sum_rows(v: &[f32], p: &[f32], lo: usize, end: usize, d: usize, out: &mut [f32]) {
+pub(super) fn weighted_sum_rows(
+    v: &[f32],
+    p: &[f32],
+    lo: usize,
+    end: usize,
+    d: usize,
+    out: &mut [f32],
+) {
     type Cols = [f32; 16];
     let d16 = d / 16 * 16;
     for c0 in (0..d16).step_by(16) {
@@ -621,7 +634,12 @@ pub(super) fn vec_dot_f32_avx2(x: &[f32], y: &[f32]) -> f32 {
 /// one key per lane (as `vec_dot_f32_16keys` does for the AVX-512 order): accumulator `a` lane
 /// `l` sums the columns `c ≡ 8a + l (mod 32)`.
 #[inline(always)]
-pub(super) fn vec_dot_f32_avx2_16keys(kt: &[f32], stride: usize, j0: usize, q: &[f32]) -> [f32; 16] {
+pub(super) fn vec_dot_f32_avx2_16keys(
+    kt: &[f32],
+    stride: usize,
+    j0: usize,
+    q: &[f32],
+) -> [f32; 16] {
     type Keys = [f32; 16];
     let d = q.len();
     let np = d / 32 * 32;
@@ -666,7 +684,14 @@ pub(super) fn vec_dot_f32_avx2_16keys(kt: &[f32], stride: usize, j0: usize, q: &
 /// goes to lane `j % 8` of column `c`'s accumulator, in key order, summed as `hsum8`. Sixteen
 /// columns at a time.
 #[inline(always)]
-pub(super) fn weighted_sum_rows8(v: &[f32], p: &[f32], lo: usize, end: usize, d: usize, out: &mut [f32]) {
+pub(super) fn weighted_sum_rows8(
+    v: &[f32],
+    p: &[f32],
+    lo: usize,
+    end: usize,
+    d: usize,
+    out: &mut [f32],
+) {
     type Cols = [f32; 16];
     let d16 = d / 16 * 16;
     let full = lo + (end - lo) / 8 * 8;
@@ -817,4 +842,3 @@ mod attention_tests {
         }
     }
 }
-

@@ -9,7 +9,8 @@ use toy_core::gguf::{GgufFile, tensor_to_f32};
 use super::*;
 
 fn fixture() -> GgufFile {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/quant/kernels/f32_ops.gguf");
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/quant/kernels/f32_ops.gguf");
     GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -29,7 +30,12 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
         .zip(want)
         .map(|(g, w)| (g - w).abs())
         .fold(0.0f32, f32::max);
-    assert_eq!(bad, 0, "{what}: {bad} of {} values differ (max {worst:e})", got.len());
+    assert_eq!(
+        bad,
+        0,
+        "{what}: {bad} of {} values differ (max {worst:e})",
+        got.len()
+    );
 }
 
 /// ggml_soft_max_ext's row loop (scale, mask add, max, `ggml_vec_soft_max_f32`, `1/sum`) with
@@ -89,7 +95,10 @@ fn swiglu_and_rms_norm_match_the_avx2_build() {
         }
         assert_bits(name, &got, &out);
     }
-    let (x, out) = (values(&f, "rms_norm.576x3.x"), values(&f, "rms_norm.576x3.out"));
+    let (x, out) = (
+        values(&f, "rms_norm.576x3.x"),
+        values(&f, "rms_norm.576x3.out"),
+    );
     let ones = vec![1.0f32; 576];
     let mut got = vec![0.0f32; out.len()];
     for (y, x) in got.chunks_mut(576).zip(x.chunks(576)) {
@@ -118,8 +127,15 @@ fn f32_matmul_matches_the_avx2_build() {
         let want = values(&f, &format!("mm_f32.y.m{m}"));
         let got: Vec<f32> = (0..m * n)
             .map(|o| {
-                let (wr, xr) = (&w[(o % n) * k..(o % n + 1) * k], &x[(o / n) * k..(o / n + 1) * k]);
-                if m == 1 { Avx2Build::key_dot(wr, xr) } else { tinyblas_f32(wr, xr) }
+                let (wr, xr) = (
+                    &w[(o % n) * k..(o % n + 1) * k],
+                    &x[(o / n) * k..(o / n + 1) * k],
+                );
+                if m == 1 {
+                    Avx2Build::key_dot(wr, xr)
+                } else {
+                    tinyblas_f32(wr, xr)
+                }
             })
             .collect();
         assert_bits(&format!("mm_f32 m={m}"), &got, &want);
@@ -147,7 +163,8 @@ fn attention_products_match_the_avx2_build() {
             for i in 0..t {
                 let qrow = &q[(i * heads + h) * d..(i * heads + h + 1) * d];
                 for j in 0..n_kv {
-                    got_kq[(h * t + i) * n_kv + j] = Avx2Build::key_dot(&k[j * d..(j + 1) * d], qrow);
+                    got_kq[(h * t + i) * n_kv + j] =
+                        Avx2Build::key_dot(&k[j * d..(j + 1) * d], qrow);
                 }
                 let prow = &p[(h * t + i) * n_kv..(h * t + i + 1) * n_kv];
                 let o = &mut got_kqv[(h * t + i) * d..(h * t + i + 1) * d];
@@ -201,7 +218,12 @@ fn attention_products_match_the_avx2_build() {
         for j0 in (0..n_kv).step_by(16) {
             let dots = Avx2Build::scores16(&kt, tk16, j0, qrow);
             for (l, &dot) in dots.iter().enumerate().take(n_kv - j0) {
-                assert_eq!(dot.to_bits(), got_kq[j0 + l].to_bits(), "scores16 key {}", j0 + l);
+                assert_eq!(
+                    dot.to_bits(),
+                    got_kq[j0 + l].to_bits(),
+                    "scores16 key {}",
+                    j0 + l
+                );
             }
         }
     }

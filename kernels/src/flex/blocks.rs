@@ -308,7 +308,11 @@ fn dot_q6_k(w: &[u8], x: &[Q8K]) -> f32 {
 /// Grid value of value `j` (0..32) of a 32-value IQ4 block whose 16 nibble bytes are `qs`.
 #[inline(always)]
 fn iq4_value(qs: &[u8], j: usize) -> i32 {
-    let nibble = if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 };
+    let nibble = if j < 16 {
+        qs[j] & 0x0F
+    } else {
+        qs[j - 16] >> 4
+    };
     IQ4_GRID[nibble as usize] as i32
 }
 
@@ -321,7 +325,9 @@ fn dot_iq4_xs(w: &[u8], x: &[Q8K]) -> f32 {
         let (sl, qs) = (&b[4..8], &b[8..136]);
         let mut sumi = [0i32; 8];
         for ib in 0..8 {
-            let ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32 | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+            let ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32
+                | (((sh >> (2 * ib)) & 3) << 4))
+                - 32;
             let q = &qs[16 * ib..16 * ib + 16];
             for j in 0..32 {
                 sumi[lane(j)] += ls * iq4_value(q, j) * y.qs[32 * ib + j] as i32;
@@ -345,7 +351,9 @@ fn superblock_sums(ty: GgmlType, b: &[u8], y: &Q8K) -> (f32, f32, i32, i32) {
         GgmlType::Q2K => {
             let (sc, qs) = (&b[0..16], &b[16..80]);
             let s1 = dot(&|e| (sc[e / 16] & 0x0F) as i32 * crumb(qs, e));
-            let s2 = (0..16).map(|k| (sc[k] >> 4) as i32 * y.bsums[k] as i32).sum();
+            let s2 = (0..16)
+                .map(|k| (sc[k] >> 4) as i32 * y.bsums[k] as i32)
+                .sum();
             (f16_at(b, 80), f16_at(b, 82), s1, s2)
         }
         GgmlType::Q3K => {
@@ -364,7 +372,9 @@ fn superblock_sums(ty: GgmlType, b: &[u8], y: &Q8K) -> (f32, f32, i32, i32) {
                 dot(&|e| sc[e / 32] * nibble_k(qs, e))
             } else {
                 let (qh, qs) = (&b[16..48], &b[48..176]);
-                dot(&|e| sc[e / 32] * (nibble_k(qs, e) + 16 * ((qh[e % 32] >> (e / 32)) & 1) as i32))
+                dot(&|e| {
+                    sc[e / 32] * (nibble_k(qs, e) + 16 * ((qh[e % 32] >> (e / 32)) & 1) as i32)
+                })
             };
             let s2 = (0..8).map(|k| mn[k] * q8s[k]).sum();
             (f16_at(b, 0), f16_at(b, 2), s1, s2)
@@ -379,7 +389,9 @@ fn superblock_sums(ty: GgmlType, b: &[u8], y: &Q8K) -> (f32, f32, i32, i32) {
             let (sl, qs) = (&b[4..8], &b[8..136]);
             let s1 = dot(&|e| {
                 let ib = e / 32;
-                let ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32 | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+                let ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32
+                    | (((sh >> (2 * ib)) & 3) << 4))
+                    - 32;
                 ls * iq4_value(&qs[16 * ib..16 * ib + 16], e % 32)
             });
             (f16_at(b, 0), 0.0, s1, 0)
@@ -413,7 +425,11 @@ fn lane_sums32(q: impl Fn(usize) -> i32, xq: &[i8]) -> [i32; 8] {
 /// Value `j` of a Q5_0/Q5_1 block: the nibble with bit `j` of `qh` as its fifth bit.
 #[inline(always)]
 fn q5_value(qs: &[u8], qh: u32, j: usize) -> i32 {
-    let nibble = if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 } as i32;
+    let nibble = if j < 16 {
+        qs[j] & 0x0F
+    } else {
+        qs[j - 16] >> 4
+    } as i32;
     nibble | (((qh >> j) & 1) << 4) as i32
 }
 
@@ -458,7 +474,10 @@ fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
     let block = |i: usize| {
         let b = &w[18 * i..18 * i + 18];
         let d = x.scales[i] * f16_at(b, 0);
-        (d, lane_sums32(|j| iq4_value(&b[2..18], j), &x.quants[BLOCK * i..]))
+        (
+            d,
+            lane_sums32(|j| iq4_value(&b[2..18], j), &x.quants[BLOCK * i..]),
+        )
     };
     let mut acc = [[0.0f32; 8]; 2];
     if tinyblas {
@@ -523,7 +542,8 @@ fn dot_f16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
     let mut sumf = match isa {
         GgmlIsa::Avx2 => reduce_f32x8(sum.map(|s| s[..8].try_into().expect("8 lanes"))),
         GgmlIsa::Avx512 => {
-            let r: [f32; 16] = std::array::from_fn(|l| (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]));
+            let r: [f32; 16] =
+                std::array::from_fn(|l| (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]));
             reduce_add16(&r)
         }
     } as f64;
@@ -604,7 +624,9 @@ pub(super) enum Form {
 
 /// Whether llama.cpp (x86, AVX2 or better) repacks a matmul weight of this type and row count.
 pub(super) fn repacked(ty: GgmlType, rows: usize, repackable: bool) -> bool {
-    repackable && rows.is_multiple_of(8) && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4K | GgmlType::IQ4NL)
+    repackable
+        && rows.is_multiple_of(8)
+        && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4K | GgmlType::IQ4NL)
 }
 
 /// The path llama.cpp takes for activation row `i` of `m`.
@@ -640,8 +662,16 @@ fn activation(ty: GgmlType, x: &[f32], form: Form) -> ActRow {
         GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::IQ4NL | GgmlType::Q4_0 => {
             ActRow::Q8(quantize_row(x))
         }
-        GgmlType::F16 => ActRow::Half(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect()),
-        GgmlType::BF16 => ActRow::Half(x.iter().flat_map(|&v| f32_to_bf16(v).to_le_bytes()).collect()),
+        GgmlType::F16 => ActRow::Half(
+            x.iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+        ),
+        GgmlType::BF16 => ActRow::Half(
+            x.iter()
+                .flat_map(|&v| f32_to_bf16(v).to_le_bytes())
+                .collect(),
+        ),
         _ => ActRow::Q8K(quantize_q8_k(x, form == Form::Gemm)),
     }
 }
@@ -817,7 +847,8 @@ mod tests {
         }
         for b in row.chunks_exact_mut(size) {
             for &f in fields {
-                b[f..f + 2].copy_from_slice(&finite(next, f == 0 || f == 80 || f == 108 || f == 208));
+                b[f..f + 2]
+                    .copy_from_slice(&finite(next, f == 0 || f == 80 || f == 108 || f == 208));
             }
         }
         row
@@ -845,7 +876,13 @@ mod tests {
             GgmlType::F16,
             GgmlType::BF16,
         ];
-        let forms = [Form::VecDot, Form::Gemv, Form::Gemm, Form::TinyBlas, Form::Tiled];
+        let forms = [
+            Form::VecDot,
+            Form::Gemv,
+            Form::Gemm,
+            Form::TinyBlas,
+            Form::Tiled,
+        ];
         let mut checked = 0;
         for ty in types {
             for sb in [1usize, 2, 3, 9] {
@@ -858,7 +895,9 @@ mod tests {
                     let valid = match form {
                         Form::Gemv => matches!(ty, GgmlType::Q4K | GgmlType::IQ4NL),
                         Form::Gemm => ty == GgmlType::Q4K,
-                        Form::TinyBlas => matches!(ty, GgmlType::IQ4NL | GgmlType::F16 | GgmlType::BF16),
+                        Form::TinyBlas => {
+                            matches!(ty, GgmlType::IQ4NL | GgmlType::F16 | GgmlType::BF16)
+                        }
                         Form::Tiled => ty.block_size() == QK_K,
                         Form::VecDot => true,
                     };
@@ -868,7 +907,11 @@ mod tests {
                     let act = activation(ty, &x, form);
                     let want = dot(ty, &w, &act, form, GgmlIsa::Avx2);
                     let got = dot_avx2(ty, &w, &act, form, GgmlIsa::Avx2);
-                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} {form:?} {sb} super-blocks: {got} vs {want}");
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{ty} {form:?} {sb} super-blocks: {got} vs {want}"
+                    );
                     checked += 1;
                 }
             }

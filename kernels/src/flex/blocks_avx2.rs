@@ -91,7 +91,10 @@ fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
         let (a, b) = if j < 4 {
             (s[j] & 63, s[j + 4] & 63)
         } else {
-            ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+            (
+                (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+                (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+            )
         };
         sc[j] = a as i32;
         mn[j] = b as i32;
@@ -118,7 +121,10 @@ fn q2k_lanes(b: &[u8], y: &Q8K) -> __m256i {
         let bits = load256(&qs[32 * j..]);
         for t in 0..4 {
             let q = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_set1_epi32(2 * t as i32)), m3);
-            let s = scale_pair((sc[8 * j + 2 * t] & 0x0F) as i32, (sc[8 * j + 2 * t + 1] & 0x0F) as i32);
+            let s = scale_pair(
+                (sc[8 * j + 2 * t] & 0x0F) as i32,
+                (sc[8 * j + 2 * t + 1] & 0x0F) as i32,
+            );
             let y8 = load_q8(&y.qs[128 * j + 32 * t..]);
             sumi = _mm256_add_epi32(sumi, scaled_lanes(q, y8, s));
         }
@@ -139,12 +145,16 @@ fn q3k_lanes(b: &[u8], y: &Q8K) -> __m256i {
         let bits = load256(&qs[32 * j..]);
         for t in 0..4 {
             let bit = (4 * j + t) as i32;
-            let low = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_set1_epi32(2 * t as i32)), m3);
+            let low =
+                _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_set1_epi32(2 * t as i32)), m3);
             // 4 where the high bit is clear, else 0.
             let set = _mm256_and_si256(_mm256_srlv_epi32(hmask, _mm256_set1_epi32(bit)), one);
             let high = _mm256_slli_epi16(_mm256_xor_si256(set, one), 2);
             let y8 = load_q8(&y.qs[128 * j + 32 * t..]);
-            let p = _mm256_sub_epi16(_mm256_maddubs_epi16(low, y8), _mm256_maddubs_epi16(high, y8));
+            let p = _mm256_sub_epi16(
+                _mm256_maddubs_epi16(low, y8),
+                _mm256_maddubs_epi16(high, y8),
+            );
             let s = scale_pair(sc[8 * j + 2 * t], sc[8 * j + 2 * t + 1]);
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s, p));
         }
@@ -165,12 +175,23 @@ fn q45k_lanes64(qs: &[u8], qh: Option<&[u8]>, sc: &[i32; 8], y: &Q8K) -> [__m256
         let mut hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
         if let Some(h) = hbits {
             let h_lo = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(2 * j as i32)), one);
-            let h_hi = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(2 * j as i32 + 1)), one);
+            let h_hi = _mm256_and_si256(
+                _mm256_srlv_epi32(h, _mm256_set1_epi32(2 * j as i32 + 1)),
+                one,
+            );
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(h_lo, 4));
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(h_hi, 4));
         }
-        let p_lo = scaled_lanes(lo, load_q8(&y.qs[64 * j..]), _mm256_set1_epi16(sc[2 * j] as i16));
-        let p_hi = scaled_lanes(hi, load_q8(&y.qs[64 * j + 32..]), _mm256_set1_epi16(sc[2 * j + 1] as i16));
+        let p_lo = scaled_lanes(
+            lo,
+            load_q8(&y.qs[64 * j..]),
+            _mm256_set1_epi16(sc[2 * j] as i16),
+        );
+        let p_hi = scaled_lanes(
+            hi,
+            load_q8(&y.qs[64 * j + 32..]),
+            _mm256_set1_epi16(sc[2 * j + 1] as i16),
+        );
         _mm256_add_epi32(p_lo, p_hi)
     })
 }
@@ -194,7 +215,12 @@ fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
         let b1 = load256(&ql[64 * j..]);
         let b2 = load256(&ql[64 * j + 32..]);
         let h = load256(&qh[32 * j..]);
-        let high = |shift: i32| _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(shift)), m3), 4);
+        let high = |shift: i32| {
+            _mm256_slli_epi16(
+                _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(shift)), m3),
+                4,
+            )
+        };
         let q = [
             _mm256_or_si256(_mm256_and_si256(b1, m15), high(0)),
             _mm256_or_si256(_mm256_and_si256(b2, m15), high(2)),
@@ -240,7 +266,8 @@ fn iq4xs_lanes(b: &[u8], y: &Q8K) -> __m256i {
     let (sl, qs) = (&b[4..8], &b[8..136]);
     let mut sumi = _mm256_setzero_si256();
     for ib in 0..8 {
-        let ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32 | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+        let ls =
+            (((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32 | (((sh >> (2 * ib)) & 3) << 4)) - 32;
         let x = iq4_values(&qs[16 * ib..]);
         let y8 = load_q8(&y.qs[32 * ib..]);
         let p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y8, x));
@@ -260,7 +287,10 @@ pub(super) fn dot_q2_k(w: &[u8], x: &[Q8K]) -> f32 {
     for (b, y) in w.chunks_exact(84).zip(x) {
         let d = y.d * f16_at(b, 80);
         let dmin = -y.d * f16_at(b, 82);
-        let mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(load128(&b[0..16]), 4), _mm_set1_epi8(0x0F)));
+        let mins = _mm256_cvtepi8_epi16(_mm_and_si128(
+            _mm_srli_epi16(load128(&b[0..16]), 4),
+            _mm_set1_epi8(0x0F),
+        ));
         let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
         let prod = _mm256_madd_epi16(mins, bsums);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(prod), acc);
@@ -293,7 +323,8 @@ pub(super) fn dot_q45_k(w: &[u8], x: &[Q8K], q5: bool) -> f32 {
         let dmin = -y.d * f16_at(b, 2);
         let (sc, mn) = scales_k4(&b[4..16]);
         let q8s = q8_sums32(y);
-        let prod: [i32; 4] = std::array::from_fn(|l| mn[2 * l] * q8s[2 * l] + mn[2 * l + 1] * q8s[2 * l + 1]);
+        let prod: [i32; 4] =
+            std::array::from_fn(|l| mn[2 * l] * q8s[2 * l] + mn[2 * l + 1] * q8s[2 * l + 1]);
         if q5 {
             summs = dmin.mul_add(prod.iter().sum::<i32>() as f32, summs);
         } else {
@@ -357,7 +388,11 @@ pub(super) fn dot_iq4_xs(w: &[u8], x: &[Q8K]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, y) in w.chunks_exact(136).zip(x) {
         let d = f16_at(b, 0) * y.d;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(iq4xs_lanes(b, y)), acc);
+        acc = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(iq4xs_lanes(b, y)),
+            acc,
+        );
     }
     hsum_float_8(acc)
 }
@@ -370,8 +405,15 @@ pub(super) fn dot_tiled(ty: toy_quant::GgmlType, w: &[u8], x: &[Q8K]) -> f32 {
     for (b, y) in w.chunks_exact(ty.type_size()).zip(x) {
         let (d, dmin, s1, s2) = match ty {
             T::Q2K => {
-                let s2: i32 = (0..16).map(|k| (b[k] >> 4) as i32 * y.bsums[k] as i32).sum();
-                (f16_at(b, 80), f16_at(b, 82), hsum_i32_8(q2k_lanes(b, y)), s2)
+                let s2: i32 = (0..16)
+                    .map(|k| (b[k] >> 4) as i32 * y.bsums[k] as i32)
+                    .sum();
+                (
+                    f16_at(b, 80),
+                    f16_at(b, 82),
+                    hsum_i32_8(q2k_lanes(b, y)),
+                    s2,
+                )
             }
             T::Q3K => (f16_at(b, 108), 0.0, hsum_i32_8(q3k_lanes(b, y)), 0),
             T::Q4K | T::Q5K => {
@@ -442,7 +484,10 @@ pub(super) fn dot_q5_1(w: &[u8], x: &QuantRow) -> f32 {
         summs = m.mul_add(x.sums[i], summs);
         let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
         let q = q5_values(&b[8..24], qh);
-        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load_q8(&x.quants[BLOCK * i..])), _mm256_set1_epi16(1));
+        let p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(q, load_q8(&x.quants[BLOCK * i..])),
+            _mm256_set1_epi16(1),
+        );
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * x.scales[i]), acc);
     }
     hsum_float_8(acc) + summs
@@ -455,7 +500,13 @@ pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
     let block = |i: usize| -> (f32, __m256) {
         let b = &w[18 * i..18 * i + 18];
         let d = x.scales[i] * f16_at(b, 0);
-        (d, _mm256_cvtepi32_ps(signed_lanes(iq4_values(&b[2..18]), load_q8(&x.quants[BLOCK * i..]))))
+        (
+            d,
+            _mm256_cvtepi32_ps(signed_lanes(
+                iq4_values(&b[2..18]),
+                load_q8(&x.quants[BLOCK * i..]),
+            )),
+        )
     };
     if tinyblas {
         let mut acc = _mm256_setzero_ps();
@@ -475,7 +526,10 @@ pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
     if pairs < nb {
         let b = &w[18 * pairs..18 * pairs + 18];
         let d = x.scales[pairs] * f16_at(b, 0);
-        let isum = hsum_i32_8(signed_lanes(iq4_values(&b[2..18]), load_q8(&x.quants[BLOCK * pairs..])));
+        let isum = hsum_i32_8(signed_lanes(
+            iq4_values(&b[2..18]),
+            load_q8(&x.quants[BLOCK * pairs..]),
+        ));
         sumf = d.mul_add(isum as f32, sumf);
     }
     sumf
@@ -483,7 +537,12 @@ pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
 
 /// IQ4_NL or Q4_0 values of block `i` for the repacked kernels' exact block sums.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_repacked_32(nb: usize, x: &QuantRow, values: impl Fn(usize) -> __m256i, dw: impl Fn(usize) -> f32) -> f32 {
+pub(super) fn dot_repacked_32(
+    nb: usize,
+    x: &QuantRow,
+    values: impl Fn(usize) -> __m256i,
+    dw: impl Fn(usize) -> f32,
+) -> f32 {
     let mut acc = 0.0f32;
     for i in 0..nb {
         let isum = hsum_i32_8(signed_lanes(values(i), load_q8(&x.quants[BLOCK * i..])));
@@ -497,7 +556,10 @@ pub(super) fn dot_repacked_32(nb: usize, x: &QuantRow, values: impl Fn(usize) ->
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn q4_0_values(qs: &[u8]) -> __m256i {
     let bits = load128(qs);
-    let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bits, 4), bits), _mm256_set1_epi8(0x0F));
+    let nib = _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16(bits, 4), bits),
+        _mm256_set1_epi8(0x0F),
+    );
     _mm256_sub_epi8(nib, _mm256_set1_epi8(8))
 }
 
@@ -536,7 +598,11 @@ pub(super) fn dot_half_vec(w: &[u8], y: &[u8], bf16: bool) -> f32 {
     }
     let half = |b: &[u8], e: usize| {
         let bits = u16::from_le_bytes([b[2 * e], b[2 * e + 1]]);
-        if bf16 { f32::from_bits((bits as u32) << 16) } else { half::f16::from_bits(bits).to_f32() }
+        if bf16 {
+            f32::from_bits((bits as u32) << 16)
+        } else {
+            half::f16::from_bits(bits).to_f32()
+        }
     };
     let mut sumf = if bf16 {
         let c = _mm256_add_ps(_mm256_add_ps(sum[0], sum[2]), _mm256_add_ps(sum[1], sum[3]));

@@ -147,4 +147,3 @@ mod expf_tests {
         assert_eq!(ggml_expf(200.0), f32::INFINITY);
     }
 }
-

@@ -54,7 +54,14 @@ pub(super) unsafe fn product(
 }
 
 /// `dst[m, n] += lhs[m, k] · rhs[k, n]` (row-major `dst`), on rayon's threads when large.
-pub(super) fn add_product(dst: &mut [f32], m: usize, n: usize, k: usize, lhs: Operand, rhs: Operand) {
+pub(super) fn add_product(
+    dst: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: Operand,
+    rhs: Operand,
+) {
     assert_eq!(dst.len(), m * n);
     if m == 0 || n == 0 || k == 0 {
         return;

@@ -64,7 +64,6 @@ impl Format {
     }
 }
 
-
 /// Weight quant `i` (0..32) of a block, as the signed value ggml multiplies.
 pub(super) fn weight_quant(format: Format, block: &[u8], i: usize) -> i32 {
     match format {
@@ -82,7 +81,13 @@ pub(super) fn weight_quant(format: Format, block: &[u8], i: usize) -> i32 {
 }
 
 /// The specification: one output element, scalar.
-pub(super) fn dot_scalar(format: Format, x: &QuantRow, w: &[u8], w_scales: &[f32], w_mins: &[f32]) -> f32 {
+pub(super) fn dot_scalar(
+    format: Format,
+    x: &QuantRow,
+    w: &[u8],
+    w_scales: &[f32],
+    w_mins: &[f32],
+) -> f32 {
     let bb = format.block_bytes();
     let mut acc = [0.0f32; 8];
     let mut mins = 0.0f32;
@@ -422,11 +427,21 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
             if fast {
                 // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
                 *o = unsafe {
-                    blocks_avx2::dot_repacked_32(nb, row, |b| blocks_avx2::q4_0_values(&wq[16 * b..]), |b| ws[b])
+                    blocks_avx2::dot_repacked_32(
+                        nb,
+                        row,
+                        |b| blocks_avx2::q4_0_values(&wq[16 * b..]),
+                        |b| ws[b],
+                    )
                 };
                 continue;
             }
-            *o = blocks::dot_repacked_32(nb, row, |b, i| weight_quant(Format::Q4_0, &wq[16 * b..], i), |b| ws[b]);
+            *o = blocks::dot_repacked_32(
+                nb,
+                row,
+                |b, i| weight_quant(Format::Q4_0, &wq[16 * b..], i),
+                |b| ws[b],
+            );
         }
     });
     transpose_columns(out_t, m, n)

@@ -35,7 +35,12 @@ pub fn convert<E: From<GgufError>>(
         edit(info, &mut values)?;
         let matrix = info.dims.len() == 2 && info.dims[0] % ty.block_size() as u64 == 0;
         let stored = if matrix { ty } else { GgmlType::F32 };
-        writer.add_tensor(&info.name, &info.dims, stored, quantize(stored, &values).map_err(GgufError::from)?)?;
+        writer.add_tensor(
+            &info.name,
+            &info.dims,
+            stored,
+            quantize(stored, &values).map_err(GgufError::from)?,
+        )?;
     }
     Ok(writer)
 }

@@ -15,5 +15,8 @@ pub fn tensor_to_f32(file: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>> {
             unsupported_reason(info.ggml_type)
         )));
     }
-    Ok(dequantize_to_vec(info.ggml_type, tensor_bytes(file, info)?)?)
+    Ok(dequantize_to_vec(
+        info.ggml_type,
+        tensor_bytes(file, info)?,
+    )?)
 }

@@ -148,7 +148,11 @@ impl GgufFile {
             let start = (self.data_offset + info.offset) as usize;
             // SAFETY: as in `release_pages`: read-only, file-backed.
             let _ = unsafe {
-                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, info.n_bytes() as usize)
+                m.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    info.n_bytes() as usize,
+                )
             };
         }
         #[cfg(not(unix))]

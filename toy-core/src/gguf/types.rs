@@ -1,6 +1,5 @@
 //! GGUF value and tensor types.
 
-
 /// The type tag of a metadata value (`enum gguf_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ValueType {

@@ -21,8 +21,8 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::read::{MAX_ARRAY_DEPTH, check_tensor_shape};
 use super::GgmlType;
+use super::read::{MAX_ARRAY_DEPTH, check_tensor_shape};
 use super::types::{Value, ValueType};
 use super::{DEFAULT_ALIGNMENT, GgufError, GgufFile, MAGIC, MAX_NAME_LEN, Result, TensorInfo};
 

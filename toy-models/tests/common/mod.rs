@@ -11,8 +11,8 @@ use toy_core::gguf::GgufFile;
 
 use toy_core::sampling::{Sampler, SamplingParams};
 use toy_kernels::ToyBackend;
-use toy_models::{CausalLm, Model, load_model};
 use toy_models::generate::{GenerateOptions, generate};
+use toy_models::{CausalLm, Model, load_model};
 
 #[path = "../../../test-support/smollm2.rs"]
 mod smollm2_path;
@@ -144,4 +144,3 @@ pub fn logit_deviation<B: ToyBackend>(
     }
     worst
 }
-
