@@ -33,7 +33,7 @@ use super::{GgmlIsa, ggml_isa};
 use crate::packed::{BLOCK, GgmlType, HostPackedView, QK_K, row_bytes};
 
 #[inline(always)]
-fn f16_at(b: &[u8], i: usize) -> f32 {
+pub(super) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
@@ -84,7 +84,7 @@ pub(super) fn quantize_q8_k(x: &[f32], positive_max: bool) -> Vec<Q8K> {
 }
 
 /// The six-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks (`get_scale_min_k4`).
-fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
+pub(super) fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
     let mut sc = [0; 8];
     let mut mn = [0; 8];
     for j in 0..8 {
@@ -103,7 +103,7 @@ fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
 }
 
 /// Q3_K's 16 six-bit scales minus 32.
-fn scales_q3_k(s: &[u8]) -> [i32; 16] {
+pub(super) fn scales_q3_k(s: &[u8]) -> [i32; 16] {
     std::array::from_fn(|k| {
         let low = if k < 8 { s[k] & 0x0F } else { s[k - 8] >> 4 };
         let high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
@@ -112,7 +112,7 @@ fn scales_q3_k(s: &[u8]) -> [i32; 16] {
 }
 
 /// The sums of each 32 activation quants: pairs of Q8_K's 16-value sums (`_mm_hadd_epi16`).
-fn q8_sums32(y: &Q8K) -> [i32; 8] {
+pub(super) fn q8_sums32(y: &Q8K) -> [i32; 8] {
     std::array::from_fn(|k| y.bsums[2 * k] as i32 + y.bsums[2 * k + 1] as i32)
 }
 

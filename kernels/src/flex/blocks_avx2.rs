@@ -12,15 +12,10 @@
 
 use std::arch::x86_64::*;
 
-use super::blocks::Q8K;
+use super::blocks::{Q8K, f16_at, q8_sums32, scales_k4, scales_q3_k};
 use super::qmatmul::QuantRow;
 use crate::packed::BLOCK;
 use toy_quant::IQ4_GRID;
-
-#[inline(always)]
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
 
 /// ggml's `hsum_float_8`.
 #[inline]
@@ -80,34 +75,6 @@ fn scale_pair(lo: i32, hi: i32) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn scaled_lanes(u: __m256i, s: __m256i, scales: __m256i) -> __m256i {
     _mm256_madd_epi16(scales, _mm256_maddubs_epi16(u, s))
-}
-
-/// Q4_K/Q5_K's 8 six-bit scales and 8 mins (`get_scale_min_k4`).
-#[inline(always)]
-fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
-    let mut sc = [0; 8];
-    let mut mn = [0; 8];
-    for j in 0..8 {
-        let (a, b) = if j < 4 {
-            (s[j] & 63, s[j + 4] & 63)
-        } else {
-            (
-                (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
-                (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-            )
-        };
-        sc[j] = a as i32;
-        mn[j] = b as i32;
-    }
-    (sc, mn)
-}
-
-fn scales_q3_k(s: &[u8]) -> [i32; 16] {
-    std::array::from_fn(|k| {
-        let low = if k < 8 { s[k] & 0x0F } else { s[k - 8] >> 4 };
-        let high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
-        (low | (high << 4)) as i32 - 32
-    })
 }
 
 /// Q2_K's scaled integer lanes (without the offsets).
@@ -274,10 +241,6 @@ fn iq4xs_lanes(b: &[u8], y: &Q8K) -> __m256i {
         sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(ls as i16)));
     }
     sumi
-}
-
-fn q8_sums32(y: &Q8K) -> [i32; 8] {
-    std::array::from_fn(|k| y.bsums[2 * k] as i32 + y.bsums[2 * k + 1] as i32)
 }
 
 /// `ggml_vec_dot_q2_K_q8_K`.
