@@ -20,12 +20,26 @@ pub(super) type Operand<'a> = (&'a [f32], usize, usize);
 /// `dst` must be valid for writes of the `m × n` elements at `i · dst_rs + j`, and the strides
 /// and extents of `lhs` and `rhs` must address elements inside their slices.
 pub(super) unsafe fn product(
+    dims: (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: Operand,
+    rhs: Operand,
+    parallelism: Parallelism,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_into(dims, dst, dst_rs, lhs, rhs, parallelism, false) }
+}
+
+/// [`product`], or with `accumulate` `dst += lhs · rhs` (then `dst` must also be initialized).
+unsafe fn gemm_into(
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,
     dst_rs: usize,
     lhs: Operand,
     rhs: Operand,
     parallelism: Parallelism,
+    accumulate: bool,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
@@ -36,20 +50,38 @@ pub(super) unsafe fn product(
             dst,
             1,
             dst_rs as isize,
-            false,
+            accumulate,
             lhs.0.as_ptr(),
             lhs.1 as isize,
             lhs.2 as isize,
             rhs.0.as_ptr(),
             rhs.1 as isize,
             rhs.2 as isize,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,
             false,
             parallelism,
         )
+    }
+}
+
+/// Panics unless `lhs[m, k]` and `rhs[k, n]` address elements inside their slices; returns
+/// burn-flex's threading for the product (threads from `m·n·k ≥ 192³`).
+fn checked_parallelism(m: usize, n: usize, k: usize, lhs: Operand, rhs: Operand) -> Parallelism {
+    let in_bounds = |(data, cs, rs): Operand, rows: usize, cols: usize| {
+        assert!(
+            (rows - 1) * rs + (cols - 1) * cs < data.len(),
+            "product operand out of bounds"
+        )
+    };
+    in_bounds(lhs, m, k);
+    in_bounds(rhs, k, n);
+    if m * n * k >= 192 * 192 * 192 {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
     }
 }
 
@@ -66,43 +98,9 @@ pub(super) fn add_product(
     if m == 0 || n == 0 || k == 0 {
         return;
     }
-    let in_bounds = |(data, cs, rs): Operand, rows: usize, cols: usize| {
-        assert!(
-            (rows - 1) * rs + (cols - 1) * cs < data.len(),
-            "product operand out of bounds"
-        )
-    };
-    in_bounds(lhs, m, k);
-    in_bounds(rhs, k, n);
-    let parallelism = if m * n * k >= 192 * 192 * 192 {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
-    // SAFETY: `dst` holds the `m·n` elements (asserted) and the operands are in bounds.
-    unsafe {
-        gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            true,
-            lhs.0.as_ptr(),
-            lhs.1 as isize,
-            lhs.2 as isize,
-            rhs.0.as_ptr(),
-            rhs.1 as isize,
-            rhs.2 as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        )
-    }
+    let parallelism = checked_parallelism(m, n, k, lhs, rhs);
+    // SAFETY: `dst` holds the `m·n` initialized elements (asserted), the operands are in bounds.
+    unsafe { gemm_into((m, n, k), dst.as_mut_ptr(), n, lhs, rhs, parallelism, true) }
 }
 
 /// `lhs[m, k] · rhs[k, n]` into a new row-major `[m, n]` buffer, on rayon's threads when the
@@ -111,19 +109,7 @@ pub(super) fn new_product(m: usize, n: usize, k: usize, lhs: Operand, rhs: Opera
     if m == 0 || n == 0 || k == 0 {
         return vec![0.0; m * n];
     }
-    let in_bounds = |(data, cs, rs): Operand, rows: usize, cols: usize| {
-        assert!(
-            (rows - 1) * rs + (cols - 1) * cs < data.len(),
-            "product operand out of bounds"
-        )
-    };
-    in_bounds(lhs, m, k);
-    in_bounds(rhs, k, n);
-    let parallelism = if m * n * k >= 192 * 192 * 192 {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
+    let parallelism = checked_parallelism(m, n, k, lhs, rhs);
     let mut out = Vec::with_capacity(m * n);
     // SAFETY: `out` has room for `m·n` elements, the operands are in bounds, and with `k > 0` and `read_dst = false` gemm writes every element of `dst` (never reads it),
     // so all `m·n` are initialized before `set_len`.
