@@ -50,6 +50,14 @@ pub(super) struct Q8K {
 /// `positive_max`: the rule of the AVX2 `ggml_quantize_mat_q8_K_4x8` that the repacked 4-row
 /// kernels read — when `+amax` and `-amax` both occur, the positive one sets the sign.
 pub(super) fn quantize_q8_k(x: &[f32], positive_max: bool) -> Vec<Q8K> {
+    quantize_q8_k_fast(x, positive_max)
+}
+
+// Compiled for AVX2 too, where the rounding is one instruction instead of a libm call.
+with_fma!(fn quantize_q8_k_fast = quantize_q8_k_impl(x: &[f32], positive_max: bool) -> Vec<Q8K>);
+
+#[inline(always)]
+fn quantize_q8_k_impl(x: &[f32], positive_max: bool) -> Vec<Q8K> {
     x.chunks_exact(QK_K)
         .map(|x| {
             let (mut amax, mut max) = (0.0f32, 0.0f32);
@@ -767,6 +775,24 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
     }
 }
 
+/// Eight outputs — eight weight rows against one activation row — where an 8-row AVX2 kernel
+/// computes them (the same bits as eight `dot_avx2` calls); `None` elsewhere.
+fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]> {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_level() >= super::CpuLevel::Avx2 {
+        use super::blocks_avx2 as v;
+        // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+        return unsafe {
+            match (ty, x, form) {
+                (GgmlType::Q4K, ActRow::Q8K(y), Form::Gemv) => Some(v::dot8_q4_k_gemv(w, y)),
+                _ => None,
+            }
+        };
+    }
+    let _ = (ty, w, x, form);
+    None
+}
+
 /// The fastest `dot` this CPU has.
 fn dot_impl() -> fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -794,8 +820,26 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
         .par_chunks_mut(m * COLS)
         .enumerate()
         .for_each(|(g, cols)| {
-            for (c, col) in cols.chunks_mut(m).enumerate() {
-                let wr = row_bytes(ty, k, w.words, g * COLS + c);
+            let ncols = cols.len() / m;
+            let wr = |c: usize| row_bytes(ty, k, w.words, g * COLS + c);
+            let mut c0 = 0;
+            // Eight outputs per call where an 8-row kernel exists (the same bits as `dot`).
+            while c0 + 8 <= ncols {
+                let rows: [&[u8]; 8] = std::array::from_fn(|r| wr(c0 + r));
+                let mut done = true;
+                for i in 0..m {
+                    match dot8(ty, rows, &acts[i], forms[i]) {
+                        Some(y) => (0..8).for_each(|r| cols[(c0 + r) * m + i] = y[r]),
+                        None => done = false,
+                    }
+                }
+                if !done {
+                    break;
+                }
+                c0 += 8;
+            }
+            for (c, col) in cols.chunks_mut(m).enumerate().skip(c0) {
+                let wr = wr(c);
                 for (i, o) in col.iter_mut().enumerate() {
                     *o = dot(ty, wr, &acts[i], forms[i], isa);
                 }
@@ -852,6 +896,39 @@ mod tests {
             }
         }
         row
+    }
+
+    /// The 8-row kernels give each row the specification's bits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn eight_row_dots_are_bit_identical_to_the_spec() {
+        if super::super::cpu_level() < super::super::CpuLevel::Avx2 {
+            return;
+        }
+        let mut next = rng(11);
+        let mut checked = 0;
+        for (ty, form) in [(GgmlType::Q4K, Form::Gemv)] {
+            for sb in [1usize, 2, 3, 9, 17, 33] {
+                let k = sb * QK_K;
+                let rows: Vec<Vec<u8>> = (0..8).map(|_| random_row(ty, sb, &mut next)).collect();
+                let x: Vec<f32> = (0..k)
+                    .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 6.0)
+                    .collect();
+                let act = activation(ty, &x, form);
+                let w: [&[u8]; 8] = std::array::from_fn(|r| rows[r].as_slice());
+                let got = dot8(ty, w, &act, form).expect("an 8-row kernel");
+                for r in 0..8 {
+                    let want = dot(ty, w[r], &act, form, GgmlIsa::Avx2);
+                    assert_eq!(
+                        got[r].to_bits(),
+                        want.to_bits(),
+                        "{ty} row {r}, {sb} super-blocks"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 48);
     }
 
     /// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9

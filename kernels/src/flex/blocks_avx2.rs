@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::blocks::{Q8K, f16_at, q8_sums32, scales_k4, scales_q3_k};
+use super::blocks::{Q8K, scales_q3_k};
 use super::qmatmul::QuantRow;
 use crate::packed::BLOCK;
 use toy_quant::IQ4_GRID;
@@ -129,13 +129,87 @@ fn q3k_lanes(b: &[u8], y: &Q8K) -> __m256i {
     sumi
 }
 
-/// Q4_K's (or with `qh` Q5_K's) scaled integer lanes per 64 values.
+/// A Q4_K/Q5_K super-block's 8 six-bit scales (i16, bytes 0..16, repeated in both 128-bit
+/// halves) and 8 mins (i16, in a 128-bit register), unpacked with ggml's `utmp` word masks
+/// (the same values as `scales_k4`, in a dozen integer operations instead of a loop).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q45k_lanes64(qs: &[u8], qh: Option<&[u8]>, sc: &[i32; 8], y: &Q8K) -> [__m256i; 4] {
+fn scales_mins_k4(s: &[u8]) -> (__m256i, __m128i) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (u0, u1, u2) = (word(0), word(1), word(2));
+    let mins_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let mins_lo = u1 & KMASK1;
+    let scales_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let scales_lo = u0 & KMASK1;
+    let both = _mm256_cvtepu8_epi16(_mm_set_epi32(
+        mins_hi as i32,
+        mins_lo as i32,
+        scales_hi as i32,
+        scales_lo as i32,
+    ));
+    let sc = _mm256_castsi256_si128(both);
+    (_mm256_set_m128i(sc, sc), _mm256_extracti128_si256(both, 1))
+}
+
+/// Scale `i` of `scales_mins_k4`'s register broadcast to all 16 i16 elements
+/// (`get_scale_shuffle_k4`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k4_scale(scales: __m256i, i: usize) -> __m256i {
+    let pair = i16::from_le_bytes([2 * i as u8, 2 * i as u8 + 1]);
+    _mm256_shuffle_epi8(scales, _mm256_set1_epi16(pair))
+}
+
+/// ggml's `prod` of a Q4_K/Q5_K super-block: lane `l` = `mn[2l]·s[2l] + mn[2l+1]·s[2l+1]`
+/// with `s` the activations' 32-value sums (`_mm_hadd_epi16` of the 16-value ones).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mins_prod(mins: __m128i, y: &Q8K) -> __m128i {
+    _mm_madd_epi16(mins, q8_sums32_i16(y))
+}
+
+/// The activations' 32-value sums as 8 i16 (each ≤ 32 · 128 in magnitude, so no overflow).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_sums32_i16(y: &Q8K) -> __m128i {
+    // SAFETY: `bsums` is 16 i16 = 32 bytes.
+    let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
+    _mm_hadd_epi16(
+        _mm256_castsi256_si128(bsums),
+        _mm256_extracti128_si256(bsums, 1),
+    )
+}
+
+/// The sum of 4 i32 lanes (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_i32_4(a: __m128i) -> i32 {
+    let hi64 = _mm_unpackhi_epi64(a, a);
+    let sum64 = _mm_add_epi32(hi64, a);
+    let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
+    _mm_cvtsi128_si32(_mm_add_epi32(sum64, hi32))
+}
+
+/// An f16 field at byte `i` of `b`, through F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16c_at(b: &[u8], i: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[i], b[i + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Q4_K's (or with `qh` Q5_K's) scaled integer lanes per 64 values; `scales` from
+/// `scales_mins_k4`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q45k_lanes64(qs: &[u8], qh: Option<&[u8]>, scales: __m256i, y: &Q8K) -> [__m256i; 4] {
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
     let hbits = qh.map(|h| load256(h));
+    assert!(qs.len() >= 128);
     std::array::from_fn(|j| {
         let bits = load256(&qs[32 * j..]);
         let mut lo = _mm256_and_si256(bits, m4);
@@ -149,15 +223,11 @@ fn q45k_lanes64(qs: &[u8], qh: Option<&[u8]>, sc: &[i32; 8], y: &Q8K) -> [__m256
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(h_lo, 4));
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(h_hi, 4));
         }
-        let p_lo = scaled_lanes(
-            lo,
-            load_q8(&y.qs[64 * j..]),
-            _mm256_set1_epi16(sc[2 * j] as i16),
-        );
+        let p_lo = scaled_lanes(lo, load_q8(&y.qs[64 * j..]), k4_scale(scales, 2 * j));
         let p_hi = scaled_lanes(
             hi,
             load_q8(&y.qs[64 * j + 32..]),
-            _mm256_set1_epi16(sc[2 * j + 1] as i16),
+            k4_scale(scales, 2 * j + 1),
         );
         _mm256_add_epi32(p_lo, p_hi)
     })
@@ -169,13 +239,25 @@ fn sum4(v: [__m256i; 4]) -> __m256i {
     _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]))
 }
 
+/// i8 scales `2i` (low 128 bits) and `2i + 1` (high ones) of `sc` as broadcast i16 — what
+/// `scale_pair` makes from two integers, by one shuffle (`get_scale_shuffle`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn i8_scale_pair(sc: __m128i, i: usize) -> __m256i {
+    let (lo, hi) = ((2 * i) as i8, (2 * i + 1) as i8);
+    let pick = _mm_set_epi8(
+        hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
+    );
+    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick))
+}
+
 /// Q6_K's scaled integer lanes with the offset of 32 taken out per lane through the
 /// activations' 16-value sums, as ggml's AVX2 code does.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
     let (ql, qh) = (&b[0..128], &b[128..192]);
-    let sc: [i32; 16] = std::array::from_fn(|i| b[192 + i] as i8 as i32);
+    let sc = load128(&b[192..208]);
     let (m15, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
     let mut sumi = _mm256_setzero_si256();
     for j in 0..2 {
@@ -195,7 +277,7 @@ fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high(6)),
         ];
         for (t, q) in q.into_iter().enumerate() {
-            let s = scale_pair(sc[8 * j + 2 * t], sc[8 * j + 2 * t + 1]);
+            let s = i8_scale_pair(sc, 4 * j + t);
             sumi = _mm256_add_epi32(sumi, scaled_lanes(q, load_q8(&y.qs[128 * j + 32 * t..]), s));
         }
     }
@@ -248,8 +330,8 @@ fn iq4xs_lanes(b: &[u8], y: &Q8K) -> __m256i {
 pub(super) fn dot_q2_k(w: &[u8], x: &[Q8K]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, y) in w.chunks_exact(84).zip(x) {
-        let d = y.d * f16_at(b, 80);
-        let dmin = -y.d * f16_at(b, 82);
+        let d = y.d * f16c_at(b, 80);
+        let dmin = -y.d * f16c_at(b, 82);
         let mins = _mm256_cvtepi8_epi16(_mm_and_si128(
             _mm_srli_epi16(load128(&b[0..16]), 4),
             _mm_set1_epi8(0x0F),
@@ -267,7 +349,7 @@ pub(super) fn dot_q2_k(w: &[u8], x: &[Q8K]) -> f32 {
 pub(super) fn dot_q3_k(w: &[u8], x: &[Q8K]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, y) in w.chunks_exact(110).zip(x) {
-        let d = y.d * f16_at(b, 108);
+        let d = y.d * f16c_at(b, 108);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q3k_lanes(b, y)), acc);
     }
     hsum_float_8(acc)
@@ -282,22 +364,19 @@ pub(super) fn dot_q45_k(w: &[u8], x: &[Q8K], q5: bool) -> f32 {
     let mut acc_m = _mm_setzero_ps();
     let mut summs = 0.0f32;
     for (b, y) in w.chunks_exact(bytes).zip(x) {
-        let d = y.d * f16_at(b, 0);
-        let dmin = -y.d * f16_at(b, 2);
-        let (sc, mn) = scales_k4(&b[4..16]);
-        let q8s = q8_sums32(y);
-        let prod: [i32; 4] =
-            std::array::from_fn(|l| mn[2 * l] * q8s[2 * l] + mn[2 * l + 1] * q8s[2 * l + 1]);
+        let d = y.d * f16c_at(b, 0);
+        let dmin = -y.d * f16c_at(b, 2);
+        let (scales, mins) = scales_mins_k4(&b[4..16]);
+        let prod = mins_prod(mins, y);
         if q5 {
-            summs = dmin.mul_add(prod.iter().sum::<i32>() as f32, summs);
+            summs = dmin.mul_add(hsum_i32_4(prod) as f32, summs);
         } else {
-            let p = _mm_set_epi32(prod[3], prod[2], prod[1], prod[0]);
-            acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(p), acc_m);
+            acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
         }
         let lanes = if q5 {
-            sum4(q45k_lanes64(&b[48..176], Some(&b[16..48]), &sc, y))
+            sum4(q45k_lanes64(&b[48..176], Some(&b[16..48]), scales, y))
         } else {
-            sum4(q45k_lanes64(&b[16..144], None, &sc, y))
+            sum4(q45k_lanes64(&b[16..144], None, scales, y))
         };
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
     }
@@ -314,19 +393,21 @@ pub(super) fn dot_q45_k(w: &[u8], x: &[Q8K], q5: bool) -> f32 {
 pub(super) fn dot_q4_k_repacked(w: &[u8], x: &[Q8K], per_64: bool) -> f32 {
     let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
     for (b, y) in w.chunks_exact(144).zip(x) {
-        let (dw, dmw) = (f16_at(b, 0), f16_at(b, 2));
-        let (sc, mn) = scales_k4(&b[4..16]);
-        let q8s = q8_sums32(y);
-        let parts = q45k_lanes64(&b[16..144], None, &sc, y);
+        let (dw, dmw) = (f16c_at(b, 0), f16c_at(b, 2));
+        let (scales, mins) = scales_mins_k4(&b[4..16]);
+        let prod = mins_prod(mins, y);
+        let parts = q45k_lanes64(&b[16..144], None, scales, y);
         let (scale, scale_min) = (dw * y.d, dmw * y.d);
         if per_64 {
-            for (sb, p) in parts.into_iter().enumerate() {
-                let imin = mn[2 * sb] * q8s[2 * sb] + mn[2 * sb + 1] * q8s[2 * sb + 1];
+            let mut imins = [0i32; 4];
+            // SAFETY: 4 i32 = 16 bytes.
+            unsafe { _mm_storeu_si128(imins.as_mut_ptr() as *mut __m128i, prod) };
+            for (p, imin) in parts.into_iter().zip(imins) {
                 acc = (hsum_i32_8(p) as f32).mul_add(scale, acc);
                 acc_min = (imin as f32).mul_add(scale_min, acc_min);
             }
         } else {
-            let imin: i32 = (0..8).map(|k| mn[k] * q8s[k]).sum();
+            let imin = hsum_i32_4(prod);
             acc = (hsum_i32_8(sum4(parts)) as f32).mul_add(scale, acc);
             acc_min = (imin as f32).mul_add(scale_min, acc_min);
         }
@@ -334,12 +415,75 @@ pub(super) fn dot_q4_k_repacked(w: &[u8], x: &[Q8K], per_64: bool) -> f32 {
     acc - acc_min
 }
 
+/// Q4_K's one-row repacked kernel (`dot_q4_k_repacked(w, x, false)`) for eight weight rows at
+/// once, as llama.cpp's `gemv_q4_K_8x8` computes eight outputs together: the float steps are
+/// done 8 outputs wide, and each output gets the bits of the one-row
+/// function (the same integers, then the same f32 multiply and fused multiply-adds per
+/// super-block). The integer pass reads each row's blocks in order, row after row, so the
+/// weights stream through memory as they lie (eight interleaved streams stall the prefetcher).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot8_q4_k_gemv(w: [&[u8]; 8], x: &[Q8K]) -> [f32; 8] {
+    const CHUNK: usize = 16;
+    for r in &w {
+        assert!(r.len() >= 144 * x.len());
+    }
+    let (mut acc, mut acc_min) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    // Per super-block of the chunk, per output: the exact integer sums and the f16 pair.
+    let mut isums = [[0i32; 8]; CHUNK];
+    let mut imins = [[0i32; 8]; CHUNK];
+    let mut d_dmin = [[0u32; 8]; CHUNK];
+    for i0 in (0..x.len()).step_by(CHUNK) {
+        let ys = &x[i0..(i0 + CHUNK).min(x.len())];
+        for c in 0..8 {
+            for (i, y) in ys.iter().enumerate() {
+                let b = &w[c][144 * (i0 + i)..144 * (i0 + i) + 144];
+                d_dmin[i][c] = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let (scales, mins) = scales_mins_k4(&b[4..16]);
+                imins[i][c] = hsum_i32_4(mins_prod(mins, y));
+                isums[i][c] = hsum_i32_8(sum4(q45k_lanes64(&b[16..144], None, scales, y)));
+            }
+        }
+        for (i, y) in ys.iter().enumerate() {
+            // SAFETY: each row is 8 × 4 bytes = 32 bytes.
+            let (isum, imin, words) = unsafe {
+                (
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256(isums[i].as_ptr() as *const __m256i)),
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256(imins[i].as_ptr() as *const __m256i)),
+                    _mm256_loadu_si256(d_dmin[i].as_ptr() as *const __m256i),
+                )
+            };
+            let (dw, dmw) = split_f16_pairs(words);
+            let yd = _mm256_set1_ps(y.d);
+            acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, yd), acc);
+            acc_min = _mm256_fmadd_ps(imin, _mm256_mul_ps(dmw, yd), acc_min);
+        }
+    }
+    let mut out = [0.0f32; 8];
+    // SAFETY: 8 f32 = 32 bytes.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_min)) };
+    out
+}
+
+/// Eight words of two f16 each (`d` low, `dmin` high) as two vectors of f32: the `d`s, the `dmin`s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn split_f16_pairs(words: __m256i) -> (__m256, __m256) {
+    let lo = _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+    let hi = _mm256_srli_epi32(words, 16);
+    // packus per 128-bit half: [lo0..3, hi0..3 | lo4..7, hi4..7] → reorder the 64-bit quarters.
+    let packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0b11_01_10_00);
+    (
+        _mm256_cvtph_ps(_mm256_castsi256_si128(packed)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1)),
+    )
+}
+
 /// `ggml_vec_dot_q6_K_q8_K`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_q6_k(w: &[u8], x: &[Q8K]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, y) in w.chunks_exact(210).zip(x) {
-        let d = y.d * f16_at(b, 208);
+        let d = y.d * f16c_at(b, 208);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q6k_lanes(b, y)), acc);
     }
     hsum_float_8(acc)
@@ -350,7 +494,7 @@ pub(super) fn dot_q6_k(w: &[u8], x: &[Q8K]) -> f32 {
 pub(super) fn dot_iq4_xs(w: &[u8], x: &[Q8K]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, y) in w.chunks_exact(136).zip(x) {
-        let d = f16_at(b, 0) * y.d;
+        let d = f16c_at(b, 0) * y.d;
         acc = _mm256_fmadd_ps(
             _mm256_set1_ps(d),
             _mm256_cvtepi32_ps(iq4xs_lanes(b, y)),
@@ -372,26 +516,25 @@ pub(super) fn dot_tiled(ty: toy_quant::GgmlType, w: &[u8], x: &[Q8K]) -> f32 {
                     .map(|k| (b[k] >> 4) as i32 * y.bsums[k] as i32)
                     .sum();
                 (
-                    f16_at(b, 80),
-                    f16_at(b, 82),
+                    f16c_at(b, 80),
+                    f16c_at(b, 82),
                     hsum_i32_8(q2k_lanes(b, y)),
                     s2,
                 )
             }
-            T::Q3K => (f16_at(b, 108), 0.0, hsum_i32_8(q3k_lanes(b, y)), 0),
+            T::Q3K => (f16c_at(b, 108), 0.0, hsum_i32_8(q3k_lanes(b, y)), 0),
             T::Q4K | T::Q5K => {
-                let (sc, mn) = scales_k4(&b[4..16]);
-                let q8s = q8_sums32(y);
-                let s2 = (0..8).map(|k| mn[k] * q8s[k]).sum();
+                let (scales, mins) = scales_mins_k4(&b[4..16]);
+                let s2 = hsum_i32_4(mins_prod(mins, y));
                 let lanes = if ty == T::Q5K {
-                    sum4(q45k_lanes64(&b[48..176], Some(&b[16..48]), &sc, y))
+                    sum4(q45k_lanes64(&b[48..176], Some(&b[16..48]), scales, y))
                 } else {
-                    sum4(q45k_lanes64(&b[16..144], None, &sc, y))
+                    sum4(q45k_lanes64(&b[16..144], None, scales, y))
                 };
-                (f16_at(b, 0), f16_at(b, 2), hsum_i32_8(lanes), s2)
+                (f16c_at(b, 0), f16c_at(b, 2), hsum_i32_8(lanes), s2)
             }
-            T::Q6K => (f16_at(b, 208), 0.0, hsum_i32_8(q6k_lanes(b, y)), 0),
-            _ => (f16_at(b, 0), 0.0, hsum_i32_8(iq4xs_lanes(b, y)), 0),
+            T::Q6K => (f16c_at(b, 208), 0.0, hsum_i32_8(q6k_lanes(b, y)), 0),
+            _ => (f16c_at(b, 0), 0.0, hsum_i32_8(iq4xs_lanes(b, y)), 0),
         };
         let mut r = d * s1 as f32;
         if matches!(ty, T::Q2K | T::Q4K | T::Q5K) {
@@ -428,7 +571,7 @@ pub(super) fn dot_q5_0(w: &[u8], x: &QuantRow) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let sixteen = _mm256_set1_epi8(16);
     for (i, b) in w.chunks_exact(22).enumerate() {
-        let d = f16_at(b, 0) * x.scales[i];
+        let d = f16c_at(b, 0) * x.scales[i];
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
         let q = _mm256_sub_epi8(q5_values(&b[6..22], qh), sixteen);
         let p = signed_lanes(q, load_q8(&x.quants[BLOCK * i..]));
@@ -443,7 +586,7 @@ pub(super) fn dot_q5_1(w: &[u8], x: &QuantRow) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut summs = 0.0f32;
     for (i, b) in w.chunks_exact(24).enumerate() {
-        let (dx, m) = (f16_at(b, 0), f16_at(b, 2));
+        let (dx, m) = (f16c_at(b, 0), f16c_at(b, 2));
         summs = m.mul_add(x.sums[i], summs);
         let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
         let q = q5_values(&b[8..24], qh);
@@ -462,7 +605,7 @@ pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
     let nb = w.len() / 18;
     let block = |i: usize| -> (f32, __m256) {
         let b = &w[18 * i..18 * i + 18];
-        let d = x.scales[i] * f16_at(b, 0);
+        let d = x.scales[i] * f16c_at(b, 0);
         (
             d,
             _mm256_cvtepi32_ps(signed_lanes(
@@ -488,7 +631,7 @@ pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
     let mut sumf = hsum_float_8(_mm256_add_ps(acc[0], acc[1]));
     if pairs < nb {
         let b = &w[18 * pairs..18 * pairs + 18];
-        let d = x.scales[pairs] * f16_at(b, 0);
+        let d = x.scales[pairs] * f16c_at(b, 0);
         let isum = hsum_i32_8(signed_lanes(
             iq4_values(&b[2..18]),
             load_q8(&x.quants[BLOCK * pairs..]),
