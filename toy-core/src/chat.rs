@@ -9,6 +9,11 @@
 //!   example roles that do not alternate);
 //! - Python string and dict methods (`.strip()`, `.startswith()`, `.items()` …) through
 //!   `minijinja-contrib`'s pycompat callback, and `{% break %}`/`{% continue %}`.
+//!
+//! A template comes from the model file, so it is untrusted input: it gets no loader (no
+//! `include` of files), a budget of template instructions ([`TEMPLATE_FUEL`]) so nested loops
+//! cannot hang the caller, and an output cap ([`MAX_RENDERED_BYTES`]). minijinja bounds
+//! recursion, `range` and string repetition itself.
 
 use minijinja::{Environment, Error, ErrorKind, context};
 use serde::{Deserialize, Serialize};
@@ -40,6 +45,14 @@ pub enum ChatError {
     Refused(String),
 }
 
+/// Template instructions one render may run: SmolLM2's template spends ~30 per message, so
+/// this leaves room for long conversations and tool schemas and stops a runaway template in
+/// about a second.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
+/// The most text one render may produce (far beyond any model's context).
+pub const MAX_RENDERED_BYTES: usize = 16 << 20;
+
 /// Marks errors that come from `raise_exception`, to tell them from template bugs.
 const RAISED: &str = "raise_exception: ";
 
@@ -56,6 +69,7 @@ pub fn render(
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.add_function(
         "raise_exception",
         |message: String| -> Result<String, Error> {
@@ -70,16 +84,54 @@ pub fn render(
     let tmpl = env
         .get_template("chat")
         .map_err(|e| ChatError::Template(describe(&e)))?;
-    tmpl.render(context! {
-        messages => messages,
-        add_generation_prompt => add_generation_prompt,
-        bos_token => bos_token,
-        eos_token => eos_token,
-    })
-    .map_err(|e| match raised_message(&e) {
-        Some(msg) => ChatError::Refused(msg),
-        None => ChatError::Template(describe(&e)),
-    })
+    let mut out = CappedWriter::default();
+    let rendered = tmpl.render_captured_to(
+        context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token,
+            eos_token => eos_token,
+        },
+        &mut out,
+    );
+    match rendered {
+        Ok(_) => String::from_utf8(out.bytes)
+            .map_err(|_| ChatError::Template("the template produced invalid UTF-8".into())),
+        Err(_) if out.overflowed => Err(ChatError::Template(format!(
+            "the template's output passed {} MiB; it is not a usable chat template",
+            MAX_RENDERED_BYTES >> 20
+        ))),
+        Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(ChatError::Template(format!(
+            "the template ran more than {TEMPLATE_FUEL} instructions (a runaway loop?); \
+             it is not a usable chat template"
+        ))),
+        Err(e) => Err(match raised_message(&e) {
+            Some(msg) => ChatError::Refused(msg),
+            None => ChatError::Template(describe(&e)),
+        }),
+    }
+}
+
+/// Collects the rendered text and refuses to grow past [`MAX_RENDERED_BYTES`].
+#[derive(Default)]
+struct CappedWriter {
+    bytes: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("chat template output too large"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The message a template passed to `raise_exception`, if this error (or its cause) is one.
@@ -157,6 +209,31 @@ mod tests {
         );
         // Merely undefined renders empty, as in jinja2.
         assert_eq!(render("[{{ nothing }}]", &[], false, "", "").unwrap(), "[]");
+    }
+
+    /// Hostile templates fail in bounded time and memory (issue 21): nested loops run out of
+    /// fuel, a flood of output hits the cap, `include` has no loader.
+    #[test]
+    fn hostile_templates_fail_quickly() {
+        let start = std::time::Instant::now();
+        let nested = "{% for a in range(90000) %}{% for b in range(90000) %}{% for c in range(90000) %}{% endfor %}{% endfor %}{% endfor %}";
+        let err = render(nested, &[], false, "", "").unwrap_err();
+        assert!(
+            matches!(&err, ChatError::Template(m) if m.contains("instructions")),
+            "{err:?}"
+        );
+        let flood = "{% for a in range(100000) %}{{ 'x' * 1000 }}{% endfor %}";
+        let err = render(flood, &[], false, "", "").unwrap_err();
+        assert!(
+            matches!(&err, ChatError::Template(m) if m.contains("MiB")),
+            "{err:?}"
+        );
+        let include = "{% include '/etc/passwd' %}";
+        assert!(render(include, &[], false, "", "").is_err());
+        let recursion = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
+        assert!(render(recursion, &[], false, "", "").is_err());
+        // Bounded time, not a benchmark: all four fail in seconds instead of hanging.
+        assert!(start.elapsed().as_secs() < 60);
     }
 
     #[test]
