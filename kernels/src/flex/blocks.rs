@@ -802,6 +802,9 @@ fn dot_impl() -> fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 {
     dot
 }
 
+/// Activation rows per block of a matmul's loop (see `matmul`).
+pub(super) const ROW_BLOCK: usize = 16;
+
 /// `x[m, k] · Wᵀ` for a blocks-layout weight.
 pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bool) -> Vec<f32> {
     let (k, n, ty) = (w.cols, w.rows, w.ty);
@@ -822,26 +825,27 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
         .for_each(|(g, cols)| {
             let ncols = cols.len() / m;
             let wr = |c: usize| row_bytes(ty, k, w.words, g * COLS + c);
-            let mut c0 = 0;
-            // Eight outputs per call where an 8-row kernel exists (the same bits as `dot`).
-            while c0 + 8 <= ncols {
-                let rows: [&[u8]; 8] = std::array::from_fn(|r| wr(c0 + r));
-                let mut done = true;
-                for i in 0..m {
-                    match dot8(ty, rows, &acts[i], forms[i]) {
-                        Some(y) => (0..8).for_each(|r| cols[(c0 + r) * m + i] = y[r]),
-                        None => done = false,
+            // Activation rows in blocks of 16 (llama.cpp's 16 × 16 tiles), so a block's
+            // activations and the group's weight rows stay in L1 while they are reused.
+            for i0 in (0..m).step_by(ROW_BLOCK) {
+                let i1 = (i0 + ROW_BLOCK).min(m);
+                let mut c0 = 0;
+                // Eight outputs per call where an 8-row kernel exists (the same bits as `dot`).
+                'eight: while c0 + 8 <= ncols {
+                    let rows: [&[u8]; 8] = std::array::from_fn(|r| wr(c0 + r));
+                    for i in i0..i1 {
+                        let Some(y) = dot8(ty, rows, &acts[i], forms[i]) else {
+                            break 'eight;
+                        };
+                        (0..8).for_each(|r| cols[(c0 + r) * m + i] = y[r]);
                     }
+                    c0 += 8;
                 }
-                if !done {
-                    break;
-                }
-                c0 += 8;
-            }
-            for (c, col) in cols.chunks_mut(m).enumerate().skip(c0) {
-                let wr = wr(c);
-                for (i, o) in col.iter_mut().enumerate() {
-                    *o = dot(ty, wr, &acts[i], forms[i], isa);
+                for c in c0..ncols {
+                    let wr = wr(c);
+                    for i in i0..i1 {
+                        cols[c * m + i] = dot(ty, wr, &acts[i], forms[i], isa);
+                    }
                 }
             }
         });

@@ -393,14 +393,19 @@ fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> 
     let mut out_t = vec![0.0f32; n * m];
     let work = |(g, cols): (usize, &mut [f32])| {
         let ncols = cols.len() / m;
-        for c0 in (0..ncols).step_by(4) {
-            // Past the last column, repeat it (computed, not stored).
-            let parts: [_; 4] = std::array::from_fn(|r| weight(g * COLS + (c0 + r).min(ncols - 1)));
-            let (w, s, mn) = (parts.map(|p| p.0), parts.map(|p| p.1), parts.map(|p| p.2));
-            for (i, row) in rows.iter().enumerate() {
-                let y = dot4(format, row, w, s, mn);
-                for (r, &v) in y.iter().enumerate().take(ncols - c0) {
-                    cols[(c0 + r) * m + i] = v;
+        // Activation rows in blocks, as `blocks::matmul` (reuse from L1).
+        for i0 in (0..m).step_by(blocks::ROW_BLOCK) {
+            let i1 = (i0 + blocks::ROW_BLOCK).min(m);
+            for c0 in (0..ncols).step_by(4) {
+                // Past the last column, repeat it (computed, not stored).
+                let parts: [_; 4] =
+                    std::array::from_fn(|r| weight(g * COLS + (c0 + r).min(ncols - 1)));
+                let (w, s, mn) = (parts.map(|p| p.0), parts.map(|p| p.1), parts.map(|p| p.2));
+                for (i, row) in rows.iter().enumerate().take(i1).skip(i0) {
+                    let y = dot4(format, row, w, s, mn);
+                    for (r, &v) in y.iter().enumerate().take(ncols - c0) {
+                        cols[(c0 + r) * m + i] = v;
+                    }
                 }
             }
         }
