@@ -215,7 +215,6 @@ mod tests {
     /// fuel, a flood of output hits the cap, `include` has no loader.
     #[test]
     fn hostile_templates_fail_quickly() {
-        let start = std::time::Instant::now();
         let nested = "{% for a in range(90000) %}{% for b in range(90000) %}{% for c in range(90000) %}{% endfor %}{% endfor %}{% endfor %}";
         let err = render(nested, &[], false, "", "").unwrap_err();
         assert!(
@@ -232,8 +231,6 @@ mod tests {
         assert!(render(include, &[], false, "", "").is_err());
         let recursion = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
         assert!(render(recursion, &[], false, "", "").is_err());
-        // Bounded time, not a benchmark: all four fail in seconds instead of hanging.
-        assert!(start.elapsed().as_secs() < 60);
     }
 
     #[test]
