@@ -793,6 +793,30 @@ fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]>
     None
 }
 
+/// Four outputs — one weight row against four activation rows of the same form — where a
+/// 4-row AVX2 kernel computes them (the same bits as four `dot_avx2` calls); `None` elsewhere.
+fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32; 4]> {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_level() >= super::CpuLevel::Avx2 {
+        use super::blocks_avx2 as v;
+        let rows: [&QuantRow; 4] = match x {
+            [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
+            _ => return None,
+        };
+        // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+        return unsafe {
+            match (ty, form) {
+                (GgmlType::Q5_0, Form::VecDot) => Some(v::dot_q5_0_rows4(w, rows)),
+                (GgmlType::Q5_1, Form::VecDot) => Some(v::dot_q5_1_rows4(w, rows)),
+                (GgmlType::IQ4NL, Form::TinyBlas) => Some(v::dot_iq4_nl_tinyblas_rows4(w, rows)),
+                _ => None,
+            }
+        };
+    }
+    let _ = (ty, w, x, form);
+    None
+}
+
 /// The fastest `dot` this CPU has.
 fn dot_impl() -> fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -843,7 +867,17 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
                 }
                 for c in c0..ncols {
                     let wr = wr(c);
-                    for i in i0..i1 {
+                    let mut i = i0;
+                    // Four activation rows per call where a 4-row kernel exists.
+                    while i + 4 <= i1 && forms[i..i + 4].iter().all(|&f| f == forms[i]) {
+                        let rows = [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]];
+                        let Some(y) = dot_rows4(ty, wr, rows, forms[i]) else {
+                            break;
+                        };
+                        cols[c * m + i..c * m + i + 4].copy_from_slice(&y);
+                        i += 4;
+                    }
+                    for i in i..i1 {
                         cols[c * m + i] = dot(ty, wr, &acts[i], forms[i], isa);
                     }
                 }
@@ -933,6 +967,47 @@ mod tests {
             }
         }
         assert_eq!(checked, 48);
+    }
+
+    /// The 4-row kernels give each activation row the specification's bits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn four_row_dots_are_bit_identical_to_the_spec() {
+        if super::super::cpu_level() < super::super::CpuLevel::Avx2 {
+            return;
+        }
+        let mut next = rng(13);
+        let mut checked = 0;
+        for (ty, form) in [
+            (GgmlType::Q5_0, Form::VecDot),
+            (GgmlType::Q5_1, Form::VecDot),
+            (GgmlType::IQ4NL, Form::TinyBlas),
+        ] {
+            for sb in [1usize, 2, 9] {
+                let k = sb * QK_K;
+                let w = random_row(ty, k / ty.block_size(), &mut next);
+                let acts: Vec<ActRow> = (0..4)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..k)
+                            .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 6.0)
+                            .collect();
+                        activation(ty, &x, form)
+                    })
+                    .collect();
+                let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
+                let got = dot_rows4(ty, &w, rows, form).expect("a 4-row kernel");
+                for r in 0..4 {
+                    let want = dot(ty, &w, &acts[r], form, GgmlIsa::Avx2);
+                    assert_eq!(
+                        got[r].to_bits(),
+                        want.to_bits(),
+                        "{ty} row {r}, {sb} super-blocks"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 36);
     }
 
     /// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9

@@ -599,6 +599,70 @@ pub(super) fn dot_q5_1(w: &[u8], x: &QuantRow) -> f32 {
     hsum_float_8(acc) + summs
 }
 
+/// `dot_q5_0` for four activation rows against one weight row: each block's weights are
+/// unpacked once for the four (as llamafile's tinyBLAS shares them across its register tile),
+/// and each output gets `dot_q5_0`'s operations, so its bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q5_0_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let sixteen = _mm256_set1_epi8(16);
+    for (i, b) in w.chunks_exact(22).enumerate() {
+        let dw = f16c_at(b, 0);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let q = _mm256_sub_epi8(q5_values(&b[6..22], qh), sixteen);
+        let aq = _mm256_sign_epi8(q, q);
+        for r in 0..4 {
+            let d = dw * x[r].scales[i];
+            let y = load_q8(&x[r].quants[BLOCK * i..]);
+            let p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q));
+            let p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    std::array::from_fn(|r| hsum_float_8(acc[r]))
+}
+
+/// `dot_q5_1` for four activation rows (as `dot_q5_0_rows4`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q5_1_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut summs = [0.0f32; 4];
+    for (i, b) in w.chunks_exact(24).enumerate() {
+        let (dx, m) = (f16c_at(b, 0), f16c_at(b, 2));
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let q = q5_values(&b[8..24], qh);
+        for r in 0..4 {
+            summs[r] = m.mul_add(x[r].sums[i], summs[r]);
+            let p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(q, load_q8(&x[r].quants[BLOCK * i..])),
+                _mm256_set1_epi16(1),
+            );
+            let d = _mm256_set1_ps(dx * x[r].scales[i]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r]);
+        }
+    }
+    std::array::from_fn(|r| hsum_float_8(acc[r]) + summs[r])
+}
+
+/// IQ4_NL's tinyBLAS form (`dot_iq4_nl(.., true)`) for four activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_iq4_nl_tinyblas_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for (i, b) in w.chunks_exact(18).enumerate() {
+        let dw = f16c_at(b, 0);
+        let v = iq4_values(&b[2..18]);
+        let av = _mm256_sign_epi8(v, v);
+        for r in 0..4 {
+            let d = x[r].scales[i] * dw;
+            let y = load_q8(&x[r].quants[BLOCK * i..]);
+            let p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(y, v));
+            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc[r]);
+        }
+    }
+    std::array::from_fn(|r| hsum_float_8(acc[r]))
+}
+
 /// IQ4_NL (see `blocks::dot_iq4_nl`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
