@@ -21,8 +21,6 @@ use toy_core::tokenizer::Tokenizer;
 
 /// The oracle prints 9 significant digits; the arithmetic is the same bit for bit.
 const TOL: f64 = 2e-6;
-/// F32 files (dense f32 gemm, not llama.cpp's order): see `smollm2_in_every_type_matches_llama_cpp`.
-const F32_TOL: f64 = 1e-4;
 
 fn check(name: &str) {
     let device = Default::default();
@@ -149,11 +147,8 @@ fn smollm2_in_every_type_matches_llama_cpp() {
         report.push(format!(
             "{ty}: {same}/160 greedy ids, top-5 logits within {worst:.1e}"
         ));
-        // F32 weights run burn's gemm, whose summation order is not llama.cpp's (docs/kernels.md):
-        // agreement to ~1e-6 relative, i.e. a few 1e-5 on SmolLM2's logits of magnitude ~20.
-        let tol = if ty == "F32" { F32_TOL } else { TOL };
         assert!(
-            worst <= tol,
+            worst <= TOL,
             "{ty}: logits differ from llama.cpp's by {worst:e}"
         );
     }

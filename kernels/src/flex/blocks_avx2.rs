@@ -32,11 +32,10 @@ fn hsum_float_8(x: __m256) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn hsum_i32_8(a: __m256i) -> i32 {
-    let sum128 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    let hi64 = _mm_unpackhi_epi64(sum128, sum128);
-    let sum64 = _mm_add_epi32(hi64, sum128);
-    let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
-    _mm_cvtsi128_si32(_mm_add_epi32(sum64, hi32))
+    hsum_i32_4(_mm_add_epi32(
+        _mm256_castsi256_si128(a),
+        _mm256_extracti128_si256(a, 1),
+    ))
 }
 
 #[inline]

@@ -1,0 +1,189 @@
+//! Tests of the blocks-layout dot products: the AVX2 and multi-row kernels against the scalar
+//! specifications.
+
+use super::*;
+
+fn rng(seed: u64) -> impl FnMut() -> u32 {
+    let mut s = seed;
+    move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    }
+}
+
+/// `k` activations, uniform in [-3, 3].
+fn random_activations(k: usize, next: &mut impl FnMut() -> u32) -> Vec<f32> {
+    (0..k)
+        .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 6.0)
+        .collect()
+}
+
+/// Random blocks of `ty` with finite f16 fields (the scales), every bit pattern elsewhere.
+fn random_row(ty: GgmlType, blocks: usize, next: &mut impl FnMut() -> u32) -> Vec<u8> {
+    let size = ty.type_size();
+    let mut row: Vec<u8> = (0..blocks * size).map(|_| next() as u8).collect();
+    let finite = |next: &mut dyn FnMut() -> u32, signed: bool| {
+        let v = (next() % 2000) as f32 / 2000.0 * 0.05 + 1e-4;
+        let v = if signed && next() % 2 == 0 { -v } else { v };
+        f16::from_f32(v).to_le_bytes()
+    };
+    let fields: &[usize] = match ty {
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q5_1 => &[0, 2],
+        GgmlType::Q6K => &[208],
+        _ => &[0],
+    };
+    if matches!(ty, GgmlType::F16 | GgmlType::BF16) {
+        for v in row.chunks_exact_mut(2) {
+            let x = (next() as f32 / u32::MAX as f32 - 0.5) * 4.0;
+            v.copy_from_slice(&if ty == GgmlType::F16 {
+                f16::from_f32(x).to_le_bytes()
+            } else {
+                f32_to_bf16(x).to_le_bytes()
+            });
+        }
+        return row;
+    }
+    for b in row.chunks_exact_mut(size) {
+        for &f in fields {
+            b[f..f + 2].copy_from_slice(&finite(next, f == 0 || f == 80 || f == 108 || f == 208));
+        }
+    }
+    row
+}
+
+/// The 8-row kernels give each row the specification's bits.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn eight_row_dots_are_bit_identical_to_the_spec() {
+    if super::super::cpu_level() < super::super::CpuLevel::Avx2 {
+        return;
+    }
+    let mut next = rng(11);
+    let mut checked = 0;
+    for (ty, form) in [(GgmlType::Q4K, Form::Gemv)] {
+        for sb in [1usize, 2, 3, 9, 17, 33] {
+            let k = sb * QK_K;
+            let rows: Vec<Vec<u8>> = (0..8).map(|_| random_row(ty, sb, &mut next)).collect();
+            let x = random_activations(k, &mut next);
+            let act = activation(ty, &x, form);
+            let w: [&[u8]; 8] = std::array::from_fn(|r| rows[r].as_slice());
+            let got = dot8(ty, w, &act, form).expect("an 8-row kernel");
+            for r in 0..8 {
+                let want = dot(ty, w[r], &act, form, GgmlIsa::Avx2);
+                assert_eq!(
+                    got[r].to_bits(),
+                    want.to_bits(),
+                    "{ty} row {r}, {sb} super-blocks"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 48);
+}
+
+/// The 4-row kernels give each activation row the specification's bits.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn four_row_dots_are_bit_identical_to_the_spec() {
+    if super::super::cpu_level() < super::super::CpuLevel::Avx2 {
+        return;
+    }
+    let mut next = rng(13);
+    let mut checked = 0;
+    for (ty, form) in [
+        (GgmlType::Q5_0, Form::VecDot),
+        (GgmlType::Q5_1, Form::VecDot),
+        (GgmlType::IQ4NL, Form::TinyBlas),
+    ] {
+        for sb in [1usize, 2, 9] {
+            let k = sb * QK_K;
+            let w = random_row(ty, k / ty.block_size(), &mut next);
+            let acts: Vec<ActRow> = (0..4)
+                .map(|_| {
+                    let x = random_activations(k, &mut next);
+                    activation(ty, &x, form)
+                })
+                .collect();
+            let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
+            let got = dot_rows4(ty, &w, rows, form).expect("a 4-row kernel");
+            for r in 0..4 {
+                let want = dot(ty, &w, &acts[r], form, GgmlIsa::Avx2);
+                assert_eq!(
+                    got[r].to_bits(),
+                    want.to_bits(),
+                    "{ty} row {r}, {sb} super-blocks"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 36);
+}
+
+/// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9
+/// super-blocks (odd block counts exercise IQ4_NL's scalar last block).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_dots_are_bit_identical_to_the_spec() {
+    if super::super::cpu_level() < super::super::CpuLevel::Avx2 {
+        return;
+    }
+    let mut next = rng(7);
+    let types = [
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::IQ4XS,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::IQ4NL,
+        GgmlType::F16,
+        GgmlType::BF16,
+    ];
+    let forms = [
+        Form::VecDot,
+        Form::Gemv,
+        Form::Gemm,
+        Form::TinyBlas,
+        Form::Tiled,
+    ];
+    let mut checked = 0;
+    for ty in types {
+        for sb in [1usize, 2, 3, 9] {
+            let k = sb * QK_K;
+            let w = random_row(ty, k / ty.block_size(), &mut next);
+            let x = random_activations(k, &mut next);
+            for form in forms {
+                let valid = match form {
+                    Form::Gemv => matches!(ty, GgmlType::Q4K | GgmlType::IQ4NL),
+                    Form::Gemm => ty == GgmlType::Q4K,
+                    Form::TinyBlas => {
+                        matches!(ty, GgmlType::IQ4NL | GgmlType::F16 | GgmlType::BF16)
+                    }
+                    Form::Tiled => ty.block_size() == QK_K,
+                    Form::VecDot => true,
+                };
+                if !valid {
+                    continue;
+                }
+                let act = activation(ty, &x, form);
+                let want = dot(ty, &w, &act, form, GgmlIsa::Avx2);
+                let got = dot_avx2(ty, &w, &act, form, GgmlIsa::Avx2);
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{ty} {form:?} {sb} super-blocks: {got} vs {want}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 60, "{checked}");
+}
