@@ -256,8 +256,26 @@ impl ToyBackend for Flex {
         if wk != k {
             return reference::dense_linear::<Self>(x, w);
         }
-        // x · wᵀ: wᵀ[k, n] is w read with column stride k.
-        let y = linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1));
+        // llama.cpp's arithmetic where it is also fast: tinyBLAS for several rows, vec_dot_f32
+        // for one (decode). Elsewhere (tinyBLAS's shape conditions fail) `gemm`, whose blocked
+        // products beat ggml's per-output fallback.
+        let isa = ggml_isa();
+        let y = if tinyblas::applies(m, n, k, isa) {
+            tinyblas::matmul(
+                bytemuck::cast_slice(xd),
+                m,
+                bytemuck::cast_slice(wd),
+                n,
+                k,
+                tinyblas::Elem::F32,
+                isa,
+            )
+        } else if m == 1 {
+            tinyblas::vec_dot_matmul(xd, m, wd, n, k, isa)
+        } else {
+            // x · wᵀ: wᵀ[k, n] is w read with column stride k.
+            linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1))
+        };
         FlexTensor::from_data(TensorData::new(y, [m, n]))
     }
 
@@ -673,6 +691,7 @@ mod loss;
 mod optim;
 mod qmatmul;
 mod reduce;
+mod tinyblas;
 mod vnni;
 
 use attention::*;

@@ -12,8 +12,9 @@
 //!   on AVX2 when the row count is a multiple of 8: one f32 accumulator per output, one fused
 //!   multiply-add per block — per 256-value super-block in the one-row `gemv` kernel, per 64
 //!   values in the 4-row `gemm` one (Q4_K), which takes the first `m - m % 4` rows;
-//! - llamafile's tinyBLAS, which llama.cpp uses for several rows (`m ≥ 2`) of F16, BF16 and
-//!   unrepacked IQ4_NL weights: one vector accumulator per output, summed at the end;
+//! - llamafile's tinyBLAS, which llama.cpp uses for several rows (`m ≥ 2`) of unrepacked IQ4_NL
+//!   weights (and of F16/BF16 ones: `tinyblas.rs`, register-tiled): one vector accumulator per
+//!   output, summed at the end;
 //! - the tiled kernel (ggml-cpu/tiled) it uses for 8 rows or more of unrepacked K-quant and
 //!   IQ4_XS weights: one accumulator per output, one fused multiply-add per super-block.
 //!
@@ -604,22 +605,6 @@ fn dot_bf16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
     sumf as f32
 }
 
-/// llamafile's tinyBLAS for 16-bit weights and activations: one 8-lane (AVX2) or 16-lane
-/// (AVX-512) FMA accumulator per output over the whole row, then a horizontal sum.
-fn dot_half_tinyblas(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
-    let lanes = isa.lanes();
-    let mut acc = [0.0f32; 16];
-    for (wc, yc) in w.chunks_exact(lanes).zip(y.chunks_exact(lanes)) {
-        for l in 0..lanes {
-            acc[l] = wc[l].mul_add(yc[l], acc[l]);
-        }
-    }
-    match isa {
-        GgmlIsa::Avx2 => hsum8(acc[..8].try_into().expect("8 lanes")),
-        GgmlIsa::Avx512 => reduce_add16(&acc),
-    }
-}
-
 /// Which of llama.cpp's code paths computes an output (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Form {
@@ -642,7 +627,7 @@ pub(super) fn form(ty: GgmlType, repacked: bool, i: usize, m: usize) -> Form {
     match ty {
         GgmlType::Q4K if repacked && i < m - m % 4 => Form::Gemm,
         GgmlType::Q4K | GgmlType::Q4_0 | GgmlType::IQ4NL if repacked => Form::Gemv,
-        GgmlType::IQ4NL | GgmlType::F16 | GgmlType::BF16 if m >= 2 => Form::TinyBlas,
+        GgmlType::IQ4NL if m >= 2 => Form::TinyBlas,
         GgmlType::Q2K
         | GgmlType::Q3K
         | GgmlType::Q4K
@@ -724,9 +709,8 @@ fn dot(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
         (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) => {
             let w = half_row(ty, w);
             let y = half_row(ty, y);
-            match (form, ty) {
-                (Form::TinyBlas, _) => dot_half_tinyblas(&w, &y, isa),
-                (_, GgmlType::F16) => dot_f16_vec(&w, &y, isa),
+            match ty {
+                GgmlType::F16 => dot_f16_vec(&w, &y, isa),
                 _ => dot_bf16_vec(&w, &y, isa),
             }
         }
@@ -763,12 +747,7 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
             ),
             (GgmlType::IQ4NL, ActRow::Q8(y)) => v::dot_iq4_nl(w, y, form == Form::TinyBlas),
             (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) if isa == GgmlIsa::Avx2 => {
-                let bf16 = ty == GgmlType::BF16;
-                if form == Form::TinyBlas {
-                    v::dot_half_tinyblas(w, y, bf16)
-                } else {
-                    v::dot_half_vec(w, y, bf16)
-                }
+                v::dot_half_vec(w, y, ty == GgmlType::BF16)
             }
             _ => dot(ty, w, x, form, isa),
         }
@@ -835,6 +814,11 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
     let isa = ggml_isa();
     let repacked = repacked(ty, n, repackable);
     let dot: fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 = dot_impl();
+    let half = matches!(ty, GgmlType::F16 | GgmlType::BF16);
+    if half && super::tinyblas::applies(m, n, k, isa) {
+        return half_tinyblas(x, m, w, isa);
+    }
+    // (Where tinyBLAS declines its shape, ggml takes the per-output `vec_dot`: `form`'s VecDot.)
     let forms: Vec<Form> = (0..m).map(|i| form(ty, repacked, i, m)).collect();
     let acts: Vec<ActRow> = x
         .par_chunks_exact(k)
@@ -884,6 +868,23 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
             }
         });
     transpose_columns(out_t, m, n)
+}
+
+/// F16/BF16 weights by `m ≥ 2` activation rows, which llama.cpp rounds to the weight's type and
+/// multiplies with tinyBLAS (register-tiled: `tinyblas.rs`).
+fn half_tinyblas(x: &[f32], m: usize, w: &HostPackedView<'_>, isa: GgmlIsa) -> Vec<f32> {
+    let (k, n) = (w.cols, w.rows);
+    let (elem, xs) = if w.ty == GgmlType::F16 {
+        let xs = x.par_iter().flat_map_iter(|&v| f16::from_f32(v).to_le_bytes());
+        (super::tinyblas::Elem::F16, xs.collect::<Vec<u8>>())
+    } else {
+        let xs = x.par_iter().flat_map_iter(|&v| f32_to_bf16(v).to_le_bytes());
+        (super::tinyblas::Elem::BF16, xs.collect::<Vec<u8>>())
+    };
+    // A 16-bit row of `k` values (k a multiple of 8) is a whole number of words: the rows are
+    // contiguous in `words`.
+    let ws: &[u8] = bytemuck::cast_slice(&w.words[..n * k / 2]);
+    super::tinyblas::matmul(&xs, m, ws, n, k, elem, isa)
 }
 
 #[cfg(test)]

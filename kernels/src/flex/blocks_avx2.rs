@@ -787,13 +787,3 @@ pub(super) fn dot_half_vec(w: &[u8], y: &[u8], bf16: bool) -> f32 {
     }
     sumf as f32
 }
-
-/// tinyBLAS<8> for 16-bit weights and activations: one 8-lane FMA accumulator, then `hsum`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_half_tinyblas(w: &[u8], y: &[u8], bf16: bool) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for (a, b) in w.chunks_exact(16).zip(y.chunks_exact(16)) {
-        acc = _mm256_fmadd_ps(load_half8(a, bf16), load_half8(b, bf16), acc);
-    }
-    hsum_float_8(acc)
-}

@@ -164,9 +164,7 @@ fn avx2_dots_are_bit_identical_to_the_spec() {
                 let valid = match form {
                     Form::Gemv => matches!(ty, GgmlType::Q4K | GgmlType::IQ4NL),
                     Form::Gemm => ty == GgmlType::Q4K,
-                    Form::TinyBlas => {
-                        matches!(ty, GgmlType::IQ4NL | GgmlType::F16 | GgmlType::BF16)
-                    }
+                    Form::TinyBlas => ty == GgmlType::IQ4NL,
                     Form::Tiled => ty.block_size() == QK_K,
                     Form::VecDot => true,
                 };

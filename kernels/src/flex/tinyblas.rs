@@ -1,0 +1,342 @@
+//! llama.cpp's x86 matmul for float weights: llamafile's tinyBLAS for two or more activation
+//! rows of F32, F16 or BF16 weights (`llamafile_sgemm`), and ggml's `vec_dot_f32` for an F32
+//! weight against one row (decode) or where tinyBLAS declines.
+//!
+//! tinyBLAS gives every output one FMA accumulator of the build's vector width (8 lanes for
+//! AVX2, 16 for AVX-512) that runs over the row in order, then sums its lanes horizontally. The
+//! register tile — how many weight and activation rows share one pass over `k` — changes speed,
+//! never bits, so the AVX2 kernel here tiles as tinyBLAS does on a 16-register machine (4 weight
+//! rows × 3 activation rows: 12 accumulators) and reproduces the 16-lane order with two 8-lane
+//! accumulators per output (lanes 0..8 and 8..16; `_mm512_reduce_add_ps` adds them first).
+//! Activation rows come in blocks that stay in L2 while every weight row of a thread's share
+//! passes over them.
+
+use rayon::prelude::*;
+
+use super::reduce::{hsum8, reduce_add16};
+use super::{CpuLevel, GgmlIsa, cpu_level};
+
+/// The element type of both operands (llama.cpp rounds the activations to the weight's 16-bit
+/// type before tinyBLAS reads them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Elem {
+    F32,
+    F16,
+    BF16,
+}
+
+impl Elem {
+    pub(super) fn bytes(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::F16 | Elem::BF16 => 2,
+        }
+    }
+
+    /// Element `i` of little-endian bytes `b`.
+    fn value(self, b: &[u8], i: usize) -> f32 {
+        match self {
+            Elem::F32 => f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes")),
+            Elem::F16 => half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
+            Elem::BF16 => f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16),
+        }
+    }
+}
+
+/// Whether llama.cpp's `llamafile_sgemm` takes a product of `n` weight rows of `k` values by `m`
+/// activation rows (`n < 2` and `m % 4 != 0` in its names; `k % KN` for the lane count).
+pub(super) fn applies(m: usize, n: usize, k: usize, isa: GgmlIsa) -> bool {
+    m >= 2 && n.is_multiple_of(4) && k > 0 && k.is_multiple_of(isa.lanes())
+}
+
+/// One output, the specification: weight row `w` by activation row `x` (bytes of `elem`), one
+/// `lanes`-wide FMA accumulator over the row, then the build's horizontal sum.
+pub(super) fn dot(w: &[u8], x: &[u8], elem: Elem, isa: GgmlIsa) -> f32 {
+    let lanes = isa.lanes();
+    let k = w.len() / elem.bytes();
+    let mut acc = [0.0f32; 16];
+    for l0 in (0..k).step_by(lanes) {
+        for (l, a) in acc[..lanes].iter_mut().enumerate() {
+            *a = elem.value(w, l0 + l).mul_add(elem.value(x, l0 + l), *a);
+        }
+    }
+    match isa {
+        GgmlIsa::Avx2 => hsum8(acc[..8].try_into().expect("8 lanes")),
+        GgmlIsa::Avx512 => reduce_add16(&acc),
+    }
+}
+
+/// `x[m, k] · wᵀ` as `[m, n]` for weight rows `w[n, k]`, both bytes of `elem`, in tinyBLAS's
+/// arithmetic for the llama.cpp build `isa`. The caller has checked [`applies`].
+pub(super) fn matmul(
+    x: &[u8],
+    m: usize,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    elem: Elem,
+    isa: GgmlIsa,
+) -> Vec<f32> {
+    debug_assert!(applies(m, n, k, isa));
+    let (xrow, wrow) = (k * elem.bytes(), k * elem.bytes());
+    assert!(x.len() >= m * xrow && w.len() >= n * wrow, "tinyBLAS operands too short");
+    // Weight rows per task: a multiple of 4, about eight tasks per thread so that uneven
+    // finishing evens out.
+    let per_task = (n / (rayon::current_num_threads() * 8)).max(4).next_multiple_of(4);
+    let mut out_t = vec![0.0f32; n * m];
+    out_t
+        .par_chunks_mut(per_task * m)
+        .enumerate()
+        .for_each(|(t, cols)| {
+            let rows = cols.len() / m;
+            let w = &w[t * per_task * wrow..(t * per_task + rows) * wrow];
+            #[cfg(target_arch = "x86_64")]
+            if cpu_level() >= CpuLevel::Avx2 {
+                // SAFETY: the CPU has AVX2, FMA and F16C; the slices hold `rows` and `m` rows.
+                unsafe { avx2::task(w, rows, x, m, k, elem, isa, cols) };
+                return;
+            }
+            for r in 0..rows {
+                for i in 0..m {
+                    cols[r * m + i] = dot(
+                        &w[r * wrow..(r + 1) * wrow],
+                        &x[i * xrow..(i + 1) * xrow],
+                        elem,
+                        isa,
+                    );
+                }
+            }
+        });
+    super::transpose_columns(out_t, m, n)
+}
+
+/// ggml's `vec_dot_f32` (the build's order) of each weight row by each activation row: F32
+/// weights against one activation row, or where [`applies`] is false.
+pub(super) fn vec_dot_matmul(
+    x: &[f32],
+    m: usize,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    isa: GgmlIsa,
+) -> Vec<f32> {
+    let per_task = (n / (rayon::current_num_threads() * 8)).max(1);
+    let mut out_t = vec![0.0f32; n * m];
+    out_t
+        .par_chunks_mut(per_task * m)
+        .enumerate()
+        .for_each(|(t, cols)| {
+            for (r, col) in cols.chunks_exact_mut(m).enumerate() {
+                let wr = &w[(t * per_task + r) * k..(t * per_task + r + 1) * k];
+                for (i, o) in col.iter_mut().enumerate() {
+                    *o = vec_dot_f32(wr, &x[i * k..(i + 1) * k], isa);
+                }
+            }
+        });
+    super::transpose_columns(out_t, m, n)
+}
+
+with_fma!(fn vec_dot_f32 = vec_dot_f32_impl(w: &[f32], x: &[f32], isa: GgmlIsa) -> f32);
+
+#[inline(always)]
+fn vec_dot_f32_impl(w: &[f32], x: &[f32], isa: GgmlIsa) -> f32 {
+    match isa {
+        GgmlIsa::Avx2 => super::vec_dot_f32_avx2(w, x),
+        GgmlIsa::Avx512 => super::vec_dot_f32(x.len(), |i| w[i], |i| x[i]),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Elem, GgmlIsa};
+
+    const F32: u8 = 0;
+    const F16: u8 = 1;
+    const BF16: u8 = 2;
+
+    /// Eight elements of type `E` at `p`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<const E: u8>(p: *const u8) -> __m256 {
+        // SAFETY: the caller's pointer addresses 8 elements.
+        unsafe {
+            match E {
+                F32 => _mm256_loadu_ps(p as *const f32),
+                F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                _ => _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+                    16,
+                )),
+            }
+        }
+    }
+
+    /// ggml's `hsum_float_8` (tinyBLAS's `hsum` of an `__m256`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(x: __m256) -> f32 {
+        let mut r = _mm256_extractf128_ps(x, 1);
+        r = _mm_add_ps(r, _mm256_castps256_ps128(x));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r)
+    }
+
+    /// The `RM × RN` outputs of weight rows `w + r·ld` by activation rows `x + i·ld` (`ld`
+    /// bytes apart), each with `H` 8-lane accumulators (H = 2: the 16-lane order), into
+    /// `out[r·m + i]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const E: u8, const H: usize, const RM: usize, const RN: usize>(
+        w: *const u8,
+        x: *const u8,
+        ld: usize,
+        k: usize,
+        out: *mut f32,
+        m: usize,
+    ) {
+        let es = if E == F32 { 4 } else { 2 };
+        let mut acc = [[[_mm256_setzero_ps(); H]; RN]; RM];
+        let mut l = 0;
+        // SAFETY: the caller's rows hold `k` elements each; `out` addresses the tile.
+        unsafe {
+            while l < k {
+                for h in 0..H {
+                    let off = (l + 8 * h) * es;
+                    let mut b = [_mm256_setzero_ps(); RN];
+                    for j in 0..RN {
+                        b[j] = load8::<E>(x.add(j * ld + off));
+                    }
+                    for i in 0..RM {
+                        let a = load8::<E>(w.add(i * ld + off));
+                        for j in 0..RN {
+                            acc[i][j][h] = _mm256_fmadd_ps(a, b[j], acc[i][j][h]);
+                        }
+                    }
+                }
+                l += 8 * H;
+            }
+            for i in 0..RM {
+                for j in 0..RN {
+                    let v = if H == 1 {
+                        acc[i][j][0]
+                    } else {
+                        _mm256_add_ps(acc[i][j][1], acc[i][j][0])
+                    };
+                    *out.add(i * m + j) = hsum(v);
+                }
+            }
+        }
+    }
+
+    /// Weight rows `w[rows, k]` by all activation rows `x[m, k]`: `out_t[rows][m]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn task(
+        w: &[u8],
+        rows: usize,
+        x: &[u8],
+        m: usize,
+        k: usize,
+        elem: Elem,
+        isa: GgmlIsa,
+        out_t: &mut [f32],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (elem, isa) {
+                (Elem::F32, GgmlIsa::Avx2) => task_of::<F32, 1, 4>(w, rows, x, m, k, out_t),
+                (Elem::F16, GgmlIsa::Avx2) => task_of::<F16, 1, 4>(w, rows, x, m, k, out_t),
+                (Elem::BF16, GgmlIsa::Avx2) => task_of::<BF16, 1, 4>(w, rows, x, m, k, out_t),
+                (Elem::F32, GgmlIsa::Avx512) => task_of::<F32, 2, 2>(w, rows, x, m, k, out_t),
+                (Elem::F16, GgmlIsa::Avx512) => task_of::<F16, 2, 2>(w, rows, x, m, k, out_t),
+                (Elem::BF16, GgmlIsa::Avx512) => task_of::<BF16, 2, 2>(w, rows, x, m, k, out_t),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn task_of<const E: u8, const H: usize, const RM: usize>(
+        w: &[u8],
+        rows: usize,
+        x: &[u8],
+        m: usize,
+        k: usize,
+        out_t: &mut [f32],
+    ) {
+        let ld = k * if E == F32 { 4 } else { 2 };
+        // Activation rows per block: about 192 KiB of them, a multiple of the tile's 3.
+        let block = (192 * 1024 / ld).clamp(3, m.max(3)) / 3 * 3;
+        let (w, x, out) = (w.as_ptr(), x.as_ptr(), out_t.as_mut_ptr());
+        // SAFETY: every pointer below stays inside `w[rows · ld]`, `x[m · ld]` and
+        // `out_t[rows · m]` (`rows` is a multiple of 4 ≥ RM, so tiles of RM rows cover it).
+        unsafe {
+            for i0 in (0..m).step_by(block) {
+                let i1 = (i0 + block).min(m);
+                for r in (0..rows).step_by(RM) {
+                    let (wr, o) = (w.add(r * ld), out.add(r * m));
+                    let mut i = i0;
+                    while i + 3 <= i1 {
+                        tile::<E, H, RM, 3>(wr, x.add(i * ld), ld, k, o.add(i), m);
+                        i += 3;
+                    }
+                    match i1 - i {
+                        2 => tile::<E, H, RM, 2>(wr, x.add(i * ld), ld, k, o.add(i), m),
+                        1 => tile::<E, H, RM, 1>(wr, x.add(i * ld), ld, k, o.add(i), m),
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(v: &[f32], elem: Elem) -> Vec<u8> {
+        v.iter()
+            .flat_map(|&f| match elem {
+                Elem::F32 => f.to_le_bytes().to_vec(),
+                Elem::F16 => half::f16::from_f32(f).to_le_bytes().to_vec(),
+                Elem::BF16 => half::bf16::from_f32(f).to_le_bytes().to_vec(),
+            })
+            .collect()
+    }
+
+    /// Every tile shape and block edge, both builds' orders, all three element types: the
+    /// kernel's bits are the per-output specification's.
+    #[test]
+    fn tiled_products_are_bit_identical_to_the_spec() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+        };
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            for elem in [Elem::F32, Elem::F16, Elem::BF16] {
+                for (m, n, k) in [(2, 4, 16), (3, 8, 32), (7, 12, 48), (17, 20, 64), (40, 36, 4096)] {
+                    let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+                    let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
+                    let (xb, wb) = (bytes(&x, elem), bytes(&w, elem));
+                    let got = matmul(&xb, m, &wb, n, k, elem, isa);
+                    let rb = k * elem.bytes();
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want =
+                                dot(&wb[j * rb..(j + 1) * rb], &xb[i * rb..(i + 1) * rb], elem, isa);
+                            assert_eq!(
+                                got[i * n + j].to_bits(),
+                                want.to_bits(),
+                                "{isa:?} {elem:?} m {m} n {n} k {k} at ({i}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
