@@ -1,0 +1,334 @@
+//! `/v1/chat/completions`: the chat template rendered and tokenized, one engine job per
+//! choice, answered whole or streamed as `chat.completion.chunk`s ([`ChatStream`]).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use toy_core::chat::{self, ChatMessage};
+use toy_core::tokenizer::Tokenizer;
+
+use super::jobs::{collect, engine_error, gen_jobs, note_finish, submit, usage};
+use super::request::{
+    check_model, encode, fingerprint, fit_context, read_json, ready, token_string, unix_now,
+};
+use super::sse::{Meta, SseSource, sse};
+use super::{AppState, logged};
+use crate::api::ChatRequest;
+use crate::engine::{GenEvent, ModelInfo, TokenLogprob};
+use crate::error::ApiError;
+use crate::state::{Admission, RequestLog};
+
+fn chat_logprob_entry(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        json!({
+            "token": token_string(tok, id),
+            "logprob": logprob,
+            "bytes": tok.token_bytes(id),
+        })
+    };
+    let mut e = entry(lp.id, lp.logprob);
+    e["top_logprobs"] = lp.top.iter().map(|&(id, l)| entry(id, l)).collect();
+    e
+}
+
+pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let s2 = s.clone();
+    logged(s, "chat", "chatcmpl", async move |log| {
+        let req: ChatRequest = read_json(&s2, &headers, body).await?;
+        let info = ready(&s2)?;
+        check_model(&info, req.model.as_deref())?;
+        if let Some(fmt) = &req.response_format {
+            match fmt.get("type").and_then(Value::as_str) {
+                Some("text") => {}
+                Some(kind @ ("json_object" | "json_schema")) => {
+                    return Err(ApiError::invalid(
+                        Some("response_format"),
+                        format!(
+                            "response_format {kind:?} is not supported: toy has no constrained (grammar) decoding, so it cannot guarantee JSON; ask for JSON in the prompt and parse the text yourself"
+                        ),
+                    ));
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        Some("response_format"),
+                        "response_format must be {\"type\": \"text\"}",
+                    ));
+                }
+            }
+        }
+        if req
+            .tools
+            .as_ref()
+            .is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()))
+        {
+            return Err(ApiError::invalid(
+                Some("tools"),
+                "tools (function calling) are not supported by toy serve",
+            ));
+        }
+        if req.messages.is_empty() {
+            return Err(ApiError::invalid(
+                Some("messages"),
+                "messages must contain at least one message",
+            ));
+        }
+        let checked = req.sampling.check(info.vocab)?;
+        let top_logprobs = req.top_logprobs.unwrap_or(0);
+        if top_logprobs > 20 {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                format!("top_logprobs must be between 0 and 20, got {top_logprobs}"),
+            ));
+        }
+        let want_logprobs = req.logprobs.unwrap_or(false);
+        if req.top_logprobs.is_some() && !want_logprobs {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                "top_logprobs needs logprobs: true",
+            ));
+        }
+        let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+        if max_tokens == Some(0) {
+            return Err(ApiError::invalid(
+                Some("max_tokens"),
+                "max_tokens must be at least 1",
+            ));
+        }
+        let mut messages = Vec::with_capacity(req.messages.len());
+        for (i, m) in req.messages.iter().enumerate() {
+            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+            messages.push(ChatMessage::new(role, m.text(i)?));
+        }
+        let template = info.tokenizer.chat_template().ok_or_else(|| {
+            ApiError::invalid(
+                Some("messages"),
+                "this model has no chat template (tokenizer.chat_template): use /v1/completions",
+            )
+        })?;
+        let prompt_text = chat::render(
+            template,
+            &messages,
+            true,
+            info.tokenizer.bos_text().unwrap_or_default(),
+            info.tokenizer.eos_text().unwrap_or_default(),
+        )
+        .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+        // As `toy infer --chat` and llama.cpp tokenize a rendered chat.
+        let prompt = encode(&info, prompt_text, true, true).await?;
+        let max_new = fit_context(&info, prompt.len(), max_tokens, "messages")?;
+        let jobs = gen_jobs(
+            std::slice::from_ref(&prompt),
+            &checked,
+            max_new,
+            want_logprobs.then_some(top_logprobs as usize),
+            false,
+        );
+        let (mut rx, admission) = submit(&s2, jobs)?;
+        let l = log.as_mut().expect("log");
+        l.prompt_tokens = prompt.len();
+        l.stream = checked.stream;
+        let meta = Meta {
+            id: l.id.clone(),
+            created: unix_now(),
+            model: info.id.clone(),
+            fingerprint: fingerprint(&s2),
+        };
+        if checked.stream {
+            let stream = ChatStream {
+                meta,
+                info: info.clone(),
+                shared: s2.clone(),
+                rx,
+                n: checked.n,
+                done: 0,
+                prompt_tokens: prompt.len(),
+                completion_tokens: 0,
+                include_usage: checked.include_usage,
+                logprobs: want_logprobs,
+                out: VecDeque::new(),
+                opened: false,
+                finished: false,
+                log: log.take(),
+                _admission: admission,
+            };
+            return Ok(sse(stream));
+        }
+        let choices = collect(&s2, &mut rx, checked.n).await?;
+        drop(admission);
+        let mut completion_tokens = 0;
+        let choices: Vec<Value> = choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let f = c.finish.expect("collected");
+                completion_tokens += f.completion_tokens;
+                note_finish(l, &f);
+                let logprobs = if want_logprobs {
+                    json!({
+                        "content": c.logprobs.iter().map(|lp| chat_logprob_entry(&info.tokenizer, lp)).collect::<Vec<_>>(),
+                        "refusal": null,
+                    })
+                } else {
+                    Value::Null
+                };
+                json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text, "refusal": null},
+                    "logprobs": logprobs,
+                    "finish_reason": f.reason.as_str(),
+                })
+            })
+            .collect();
+        Ok(axum::Json(json!({
+            "id": meta.id,
+            "object": "chat.completion",
+            "created": meta.created,
+            "model": meta.model,
+            "system_fingerprint": meta.fingerprint,
+            "choices": choices,
+            "usage": usage(prompt.len(), completion_tokens),
+        }))
+        .into_response())
+    })
+    .await
+}
+
+struct ChatStream {
+    meta: Meta,
+    info: Arc<ModelInfo>,
+    shared: AppState,
+    rx: mpsc::UnboundedReceiver<(usize, GenEvent)>,
+    n: usize,
+    done: usize,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    include_usage: bool,
+    logprobs: bool,
+    out: VecDeque<String>,
+    opened: bool,
+    finished: bool,
+    log: Option<RequestLog>,
+    _admission: Admission,
+}
+
+impl ChatStream {
+    fn chunk(&self, choices: Value) -> String {
+        let mut c = json!({
+            "id": self.meta.id,
+            "object": "chat.completion.chunk",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "system_fingerprint": self.meta.fingerprint,
+            "choices": choices,
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c.to_string()
+    }
+
+    fn delta(&self, index: usize, delta: Value, logprobs: Value, finish: Option<&str>) -> String {
+        self.chunk(json!([{
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }]))
+    }
+}
+
+impl SseSource for ChatStream {
+    async fn next_data(&mut self) -> Option<String> {
+        if !self.opened {
+            // Open every choice with the assistant role, as OpenAI does.
+            self.opened = true;
+            for i in 0..self.n {
+                let d = self.delta(
+                    i,
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                    None,
+                );
+                self.out.push_back(d);
+            }
+        }
+        if self.out.is_empty() && !self.finished {
+            self.fill().await;
+        }
+        self.out.pop_front()
+    }
+}
+
+impl ChatStream {
+    async fn fill(&mut self) {
+        while self.out.is_empty() && !self.finished {
+            let Some((i, event)) = self.rx.recv().await else {
+                let e = engine_error(&self.shared, "the engine stopped".into());
+                self.fail(e);
+                return;
+            };
+            match event {
+                GenEvent::PromptLogprobs(_) => {}
+                GenEvent::Token { text, logprob, .. } => {
+                    let lp = match (&logprob, self.logprobs) {
+                        (Some(lp), true) => json!({
+                            "content": [chat_logprob_entry(&self.info.tokenizer, lp)],
+                            "refusal": null,
+                        }),
+                        _ => Value::Null,
+                    };
+                    if !text.is_empty() || !lp.is_null() {
+                        let d = self.delta(i, json!({"content": text}), lp, None);
+                        self.out.push_back(d);
+                    }
+                }
+                GenEvent::Done(f) => {
+                    if !f.tail.is_empty() {
+                        let d = self.delta(i, json!({"content": f.tail}), Value::Null, None);
+                        self.out.push_back(d);
+                    }
+                    let d = self.delta(i, json!({}), Value::Null, Some(f.reason.as_str()));
+                    self.out.push_back(d);
+                    self.completion_tokens += f.completion_tokens;
+                    if let Some(log) = &mut self.log {
+                        note_finish(log, &f);
+                    }
+                    self.done += 1;
+                    if self.done == self.n {
+                        if self.include_usage {
+                            let mut c: Value =
+                                serde_json::from_str(&self.chunk(json!([]))).unwrap_or_default();
+                            c["usage"] = usage(self.prompt_tokens, self.completion_tokens);
+                            self.out.push_back(c.to_string());
+                        }
+                        self.out.push_back("[DONE]".into());
+                        self.finished = true;
+                        if let Some(log) = &mut self.log {
+                            log.completed = true;
+                        }
+                    }
+                }
+                GenEvent::Error(message) => {
+                    let e = engine_error(&self.shared, message);
+                    self.fail(e);
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, e: ApiError) {
+        self.out.push_back(e.body().to_string());
+        self.finished = true;
+        if let Some(log) = &mut self.log {
+            log.status = e.status.as_u16();
+            log.error = Some(e.message);
+            log.completed = true;
+        }
+    }
+}
