@@ -272,7 +272,7 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
         {
             OpsKind::Tracked(prep) => {
                 let (x, w) = (x.primitive, w.primitive);
-                let out = B::dense_linear(x.clone(), w.clone());
+                let out = B::dense_linear_tracked(x.clone(), w.clone());
                 prep.finish((weight_tracked.then_some(x), w), out)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::dense_linear(x.primitive, w.primitive)),

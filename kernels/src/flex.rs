@@ -256,9 +256,9 @@ impl ToyBackend for Flex {
         if wk != k {
             return reference::dense_linear::<Self>(x, w);
         }
-        // llama.cpp's arithmetic where it is also fast: tinyBLAS for several rows, vec_dot_f32
-        // for one (decode). Elsewhere (tinyBLAS's shape conditions fail) `gemm`, whose blocked
-        // products beat ggml's per-output fallback.
+        // llama.cpp's arithmetic: tinyBLAS for several rows, vec_dot_f32 for one (decode).
+        // Where tinyBLAS's shape conditions fail, `gemm`, whose blocked products beat ggml's
+        // per-output fallback. (Training's forward, `dense_linear_tracked`, is `gemm`'s.)
         let isa = ggml_isa();
         let y = if tinyblas::applies(m, n, k, isa) {
             tinyblas::matmul(
@@ -276,6 +276,19 @@ impl ToyBackend for Flex {
             // x · wᵀ: wᵀ[k, n] is w read with column stride k.
             linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1))
         };
+        FlexTensor::from_data(TensorData::new(y, [m, n]))
+    }
+
+    fn dense_linear_tracked(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (x, w) = (x.to_contiguous(), w.to_contiguous());
+        let (Some((xd, [m, k])), Some((wd, [n, wk]))) = (matrix(&x), matrix(&w)) else {
+            return reference::dense_linear::<Self>(x, w);
+        };
+        if wk != k {
+            return reference::dense_linear::<Self>(x, w);
+        }
+        // x · wᵀ: wᵀ[k, n] is w read with column stride k.
+        let y = linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1));
         FlexTensor::from_data(TensorData::new(y, [m, n]))
     }
 

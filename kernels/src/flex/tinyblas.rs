@@ -83,31 +83,44 @@ pub(super) fn matmul(
     // Weight rows per task: a multiple of 4, about eight tasks per thread so that uneven
     // finishing evens out.
     let per_task = (n / (rayon::current_num_threads() * 8)).max(4).next_multiple_of(4);
-    let mut out_t = vec![0.0f32; n * m];
-    out_t
-        .par_chunks_mut(per_task * m)
-        .enumerate()
-        .for_each(|(t, cols)| {
-            let rows = cols.len() / m;
-            let w = &w[t * per_task * wrow..(t * per_task + rows) * wrow];
-            #[cfg(target_arch = "x86_64")]
-            if cpu_level() >= CpuLevel::Avx2 {
-                // SAFETY: the CPU has AVX2, FMA and F16C; the slices hold `rows` and `m` rows.
-                unsafe { avx2::task(w, rows, x, m, k, elem, isa, cols) };
-                return;
+    // Each task writes the columns of its weight rows straight into the row-major `[m, n]`
+    // output (no transposed copy): disjoint elements, so the tasks share one pointer.
+    let mut out = vec![0.0f32; m * n];
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(per_task)).into_par_iter().for_each(|t| {
+        let (r0, rows) = (t * per_task, per_task.min(n - t * per_task));
+        let w = &w[r0 * wrow..(r0 + rows) * wrow];
+        // SAFETY: column `r0 + r` of row `i` is `i · n + r0 + r < m · n`, written by this task only.
+        let o = unsafe { dst.get().add(r0) };
+        #[cfg(target_arch = "x86_64")]
+        if cpu_level() >= CpuLevel::Avx2 {
+            // SAFETY: the CPU has AVX2, FMA and F16C; the slices hold `rows` and `m` rows, and
+            // `o` addresses this task's columns of `[m, n]`.
+            unsafe { avx2::task(w, rows, x, m, k, elem, isa, o, n) };
+            return;
+        }
+        for r in 0..rows {
+            for i in 0..m {
+                let y = dot(&w[r * wrow..(r + 1) * wrow], &x[i * xrow..(i + 1) * xrow], elem, isa);
+                // SAFETY: as above.
+                unsafe { *o.add(i * n + r) = y };
             }
-            for r in 0..rows {
-                for i in 0..m {
-                    cols[r * m + i] = dot(
-                        &w[r * wrow..(r + 1) * wrow],
-                        &x[i * xrow..(i + 1) * xrow],
-                        elem,
-                        isa,
-                    );
-                }
-            }
-        });
-    super::transpose_columns(out_t, m, n)
+        }
+    });
+    out
+}
+
+/// The output buffer, shared by tasks that write disjoint elements of it.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the tasks write disjoint elements (see `matmul`) and the buffer outlives them.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
 }
 
 /// ggml's `vec_dot_f32` (the build's order) of each weight row by each activation row: F32
@@ -136,10 +149,20 @@ pub(super) fn vec_dot_matmul(
     super::transpose_columns(out_t, m, n)
 }
 
-with_fma!(fn vec_dot_f32 = vec_dot_f32_impl(w: &[f32], x: &[f32], isa: GgmlIsa) -> f32);
-
-#[inline(always)]
-fn vec_dot_f32_impl(w: &[f32], x: &[f32], isa: GgmlIsa) -> f32 {
+/// `ggml_vec_dot_f32` of the build `isa`: four accumulators of its vector width over steps of
+/// four vectors, reduced pairwise and horizontally; the tail summed serially.
+fn vec_dot_f32(w: &[f32], x: &[f32], isa: GgmlIsa) -> f32 {
+    assert_eq!(w.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    if cpu_level() >= CpuLevel::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA; the rows have the same length.
+        return unsafe {
+            match isa {
+                GgmlIsa::Avx2 => avx2::vec_dot_f32::<1>(w, x),
+                GgmlIsa::Avx512 => avx2::vec_dot_f32::<2>(w, x),
+            }
+        };
+    }
     match isa {
         GgmlIsa::Avx2 => super::vec_dot_f32_avx2(w, x),
         GgmlIsa::Avx512 => super::vec_dot_f32(x.len(), |i| w[i], |i| x[i]),
@@ -186,7 +209,7 @@ mod avx2 {
 
     /// The `RM × RN` outputs of weight rows `w + r·ld` by activation rows `x + i·ld` (`ld`
     /// bytes apart), each with `H` 8-lane accumulators (H = 2: the 16-lane order), into
-    /// `out[r·m + i]`.
+    /// `out[i·n + r]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const E: u8, const H: usize, const RM: usize, const RN: usize>(
@@ -195,7 +218,7 @@ mod avx2 {
         ld: usize,
         k: usize,
         out: *mut f32,
-        m: usize,
+        n: usize,
     ) {
         let es = if E == F32 { 4 } else { 2 };
         let mut acc = [[[_mm256_setzero_ps(); H]; RN]; RM];
@@ -225,13 +248,60 @@ mod avx2 {
                     } else {
                         _mm256_add_ps(acc[i][j][1], acc[i][j][0])
                     };
-                    *out.add(i * m + j) = hsum(v);
+                    *out.add(j * n + i) = hsum(v);
                 }
             }
         }
     }
 
-    /// Weight rows `w[rows, k]` by all activation rows `x[m, k]`: `out_t[rows][m]`.
+    /// `ggml_vec_dot_f32` with `H` ymm registers per accumulator: H = 1 is the AVX2 build's
+    /// (4 × 8 lanes over steps of 32, `GGML_F32x8_REDUCE`, tail `sum += x·y`), H = 2 the AVX-512
+    /// build's (4 × 16 lanes over steps of 64, pairs then `_mm512_reduce_add_ps`, tail fused).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn vec_dot_f32<const H: usize>(w: &[f32], x: &[f32]) -> f32 {
+        let n = x.len();
+        let step = 32 * H;
+        let np = n / step * step;
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); H]; 4];
+        let mut i = 0;
+        // SAFETY: `i + step <= np <= n` elements of both rows.
+        unsafe {
+            while i < np {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    for (h, a) in a.iter_mut().enumerate() {
+                        let e = i + 8 * H * j + 8 * h;
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(e)), _mm256_loadu_ps(wp.add(e)), *a);
+                    }
+                }
+                i += step;
+            }
+        }
+        let mut r = [_mm256_setzero_ps(); H];
+        for (h, r) in r.iter_mut().enumerate() {
+            *r = _mm256_add_ps(
+                _mm256_add_ps(acc[0][h], acc[2][h]),
+                _mm256_add_ps(acc[1][h], acc[3][h]),
+            );
+        }
+        if H == 1 {
+            let t0 = _mm_add_ps(_mm256_castps256_ps128(r[0]), _mm256_extractf128_ps(r[0], 1));
+            let t1 = _mm_hadd_ps(t0, t0);
+            let mut sum = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+            for e in np..n {
+                sum += x[e] * w[e];
+            }
+            sum
+        } else {
+            let mut sum = hsum(_mm256_add_ps(r[H - 1], r[0]));
+            for e in np..n {
+                sum = x[e].mul_add(w[e], sum);
+            }
+            sum
+        }
+    }
+
+    /// Weight rows `w[rows, k]` by all activation rows `x[m, k]`: `out[i·n + r]`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn task(
@@ -242,17 +312,18 @@ mod avx2 {
         k: usize,
         elem: Elem,
         isa: GgmlIsa,
-        out_t: &mut [f32],
+        out: *mut f32,
+        n: usize,
     ) {
         // SAFETY: the caller's contract.
         unsafe {
             match (elem, isa) {
-                (Elem::F32, GgmlIsa::Avx2) => task_of::<F32, 1, 4>(w, rows, x, m, k, out_t),
-                (Elem::F16, GgmlIsa::Avx2) => task_of::<F16, 1, 4>(w, rows, x, m, k, out_t),
-                (Elem::BF16, GgmlIsa::Avx2) => task_of::<BF16, 1, 4>(w, rows, x, m, k, out_t),
-                (Elem::F32, GgmlIsa::Avx512) => task_of::<F32, 2, 2>(w, rows, x, m, k, out_t),
-                (Elem::F16, GgmlIsa::Avx512) => task_of::<F16, 2, 2>(w, rows, x, m, k, out_t),
-                (Elem::BF16, GgmlIsa::Avx512) => task_of::<BF16, 2, 2>(w, rows, x, m, k, out_t),
+                (Elem::F32, GgmlIsa::Avx2) => task_of::<F32, 1, 4>(w, rows, x, m, k, out, n),
+                (Elem::F16, GgmlIsa::Avx2) => task_of::<F16, 1, 4>(w, rows, x, m, k, out, n),
+                (Elem::BF16, GgmlIsa::Avx2) => task_of::<BF16, 1, 4>(w, rows, x, m, k, out, n),
+                (Elem::F32, GgmlIsa::Avx512) => task_of::<F32, 2, 2>(w, rows, x, m, k, out, n),
+                (Elem::F16, GgmlIsa::Avx512) => task_of::<F16, 2, 2>(w, rows, x, m, k, out, n),
+                (Elem::BF16, GgmlIsa::Avx512) => task_of::<BF16, 2, 2>(w, rows, x, m, k, out, n),
             }
         }
     }
@@ -264,27 +335,28 @@ mod avx2 {
         x: &[u8],
         m: usize,
         k: usize,
-        out_t: &mut [f32],
+        out: *mut f32,
+        n: usize,
     ) {
         let ld = k * if E == F32 { 4 } else { 2 };
         // Activation rows per block: about 192 KiB of them, a multiple of the tile's 3.
         let block = (192 * 1024 / ld).clamp(3, m.max(3)) / 3 * 3;
-        let (w, x, out) = (w.as_ptr(), x.as_ptr(), out_t.as_mut_ptr());
-        // SAFETY: every pointer below stays inside `w[rows · ld]`, `x[m · ld]` and
-        // `out_t[rows · m]` (`rows` is a multiple of 4 ≥ RM, so tiles of RM rows cover it).
+        let (w, x) = (w.as_ptr(), x.as_ptr());
+        // SAFETY: every pointer below stays inside `w[rows · ld]`, `x[m · ld]` and the caller's
+        // columns of `out` (`rows` is a multiple of 4 ≥ RM, so tiles of RM rows cover it).
         unsafe {
             for i0 in (0..m).step_by(block) {
                 let i1 = (i0 + block).min(m);
                 for r in (0..rows).step_by(RM) {
-                    let (wr, o) = (w.add(r * ld), out.add(r * m));
+                    let (wr, o) = (w.add(r * ld), out.add(r));
                     let mut i = i0;
                     while i + 3 <= i1 {
-                        tile::<E, H, RM, 3>(wr, x.add(i * ld), ld, k, o.add(i), m);
+                        tile::<E, H, RM, 3>(wr, x.add(i * ld), ld, k, o.add(i * n), n);
                         i += 3;
                     }
                     match i1 - i {
-                        2 => tile::<E, H, RM, 2>(wr, x.add(i * ld), ld, k, o.add(i), m),
-                        1 => tile::<E, H, RM, 1>(wr, x.add(i * ld), ld, k, o.add(i), m),
+                        2 => tile::<E, H, RM, 2>(wr, x.add(i * ld), ld, k, o.add(i * n), n),
+                        1 => tile::<E, H, RM, 1>(wr, x.add(i * ld), ld, k, o.add(i * n), n),
                         _ => {}
                     }
                 }
@@ -305,6 +377,33 @@ mod tests {
                 Elem::BF16 => half::bf16::from_f32(f).to_le_bytes().to_vec(),
             })
             .collect()
+    }
+
+    /// The decode path: ggml's `vec_dot_f32` of both builds, tails included.
+    #[test]
+    fn vec_dot_products_are_bit_identical_to_the_spec() {
+        let mut seed = 11u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+        };
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            for (m, n, k) in [(1, 5, 32), (1, 9, 100), (2, 3, 64), (3, 7, 576), (1, 4, 7)] {
+                let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+                let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
+                let got = vec_dot_matmul(&x, m, &w, n, k, isa);
+                for i in 0..m {
+                    for j in 0..n {
+                        let (wr, xr) = (&w[j * k..(j + 1) * k], &x[i * k..(i + 1) * k]);
+                        let want = match isa {
+                            GgmlIsa::Avx2 => super::super::vec_dot_f32_avx2(wr, xr),
+                            GgmlIsa::Avx512 => super::super::vec_dot_f32(k, |c| wr[c], |c| xr[c]),
+                        };
+                        assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "{isa:?} {m} {n} {k}");
+                    }
+                }
+            }
+        }
     }
 
     /// Every tile shape and block edge, both builds' orders, all three element types: the
