@@ -22,3 +22,5 @@ echo "== openai client, websockets and chromium for the toy serve tests" >&2
 scripts/serve-test-deps.sh
 echo "== tests" >&2
 cargo test --release --locked --workspace
+echo "== scripts/gpu-check.sh --dry-run (every step of the device check that needs no GPU)" >&2
+OUT="${TMPDIR:-/tmp}/toy-gpu-check-dry-run" scripts/gpu-check.sh --dry-run
