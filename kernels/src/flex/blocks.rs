@@ -874,13 +874,11 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
 /// multiplies with tinyBLAS (register-tiled: `tinyblas.rs`).
 fn half_tinyblas(x: &[f32], m: usize, w: &HostPackedView<'_>, isa: GgmlIsa) -> Vec<f32> {
     let (k, n) = (w.cols, w.rows);
-    let (elem, xs) = if w.ty == GgmlType::F16 {
-        let xs = x.par_iter().flat_map_iter(|&v| f16::from_f32(v).to_le_bytes());
-        (super::tinyblas::Elem::F16, xs.collect::<Vec<u8>>())
-    } else {
-        let xs = x.par_iter().flat_map_iter(|&v| f32_to_bf16(v).to_le_bytes());
-        (super::tinyblas::Elem::BF16, xs.collect::<Vec<u8>>())
+    let elem = match w.ty {
+        GgmlType::F16 => super::tinyblas::Elem::F16,
+        _ => super::tinyblas::Elem::BF16,
     };
+    let xs = super::tinyblas::round_to_half(x, elem);
     // A 16-bit row of `k` values (k a multiple of 8) is a whole number of words: the rows are
     // contiguous in `words`.
     let ws: &[u8] = bytemuck::cast_slice(&w.words[..n * k / 2]);

@@ -66,6 +66,37 @@ pub(super) fn dot(w: &[u8], x: &[u8], elem: Elem, isa: GgmlIsa) -> f32 {
     }
 }
 
+/// Activations rounded to a 16-bit weight's type, as llama.cpp converts them before its dot
+/// products (f16: round to nearest even, ggml's `_cvtss_sh(x, 0)`; bf16: `GGML_FP32_TO_BF16`),
+/// as little-endian bytes.
+pub(super) fn round_to_half(x: &[f32], elem: Elem) -> Vec<u8> {
+    const CHUNK: usize = 8192;
+    let mut out = vec![0u8; x.len() * 2];
+    out.par_chunks_mut(2 * CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(o, x)| match elem {
+            Elem::F16 => f16_bytes(x, o),
+            _ => {
+                for (o, &v) in o.chunks_exact_mut(2).zip(x) {
+                    o.copy_from_slice(&toy_quant::f32_to_bf16(v).to_le_bytes());
+                }
+            }
+        });
+    out
+}
+
+fn f16_bytes(x: &[f32], o: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if cpu_level() >= CpuLevel::Avx2 {
+        // SAFETY: F16C is part of toy's AVX2 level; `o` holds two bytes per value.
+        unsafe { avx2::f16_bytes(x, o) };
+        return;
+    }
+    for (o, &v) in o.chunks_exact_mut(2).zip(x) {
+        o.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+    }
+}
+
 /// `x[m, k] · wᵀ` as `[m, n]` for weight rows `w[n, k]`, both bytes of `elem`, in tinyBLAS's
 /// arithmetic for the llama.cpp build `isa`. The caller has checked [`applies`].
 pub(super) fn matmul(
@@ -193,6 +224,23 @@ mod avx2 {
                     16,
                 )),
             }
+        }
+    }
+
+    /// `x` rounded to f16 (nearest even, as `half` and ggml's F16C path round), as bytes `o`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn f16_bytes(x: &[f32], o: &mut [u8]) {
+        assert!(o.len() >= 2 * x.len());
+        let n8 = x.len() / 8 * 8;
+        for i in (0..n8).step_by(8) {
+            // SAFETY: `i + 8 <= x.len()`, and `o` holds `2 · x.len()` bytes (asserted).
+            unsafe {
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(x.as_ptr().add(i)));
+                _mm_storeu_si128(o.as_mut_ptr().add(2 * i) as *mut __m128i, h);
+            }
+        }
+        for i in n8..x.len() {
+            o[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(x[i]).to_le_bytes());
         }
     }
 
@@ -377,6 +425,19 @@ mod tests {
                 Elem::BF16 => half::bf16::from_f32(f).to_le_bytes().to_vec(),
             })
             .collect()
+    }
+
+    /// The vector f16 rounding is `half`'s (and bf16's is `f32_to_bf16`), edge values included.
+    #[test]
+    fn half_rounding_matches_the_scalar_conversions() {
+        let mut x: Vec<f32> = (0..20_000).map(|i| ((i as f32) * 0.37).sin() * 70_000.0 / (1 + i % 97) as f32).collect();
+        x.extend([0.0, -0.0, 65504.0, 65520.0, 1e-8, -6e-5, 5.96e-8, f32::INFINITY, f32::MIN_POSITIVE, 3.0e38]);
+        let f16 = round_to_half(&x, Elem::F16);
+        let bf16 = round_to_half(&x, Elem::BF16);
+        for (i, &v) in x.iter().enumerate() {
+            assert_eq!(&f16[2 * i..2 * i + 2], half::f16::from_f32(v).to_le_bytes(), "f16 of {v}");
+            assert_eq!(&bf16[2 * i..2 * i + 2], toy_quant::f32_to_bf16(v).to_le_bytes(), "bf16 of {v}");
+        }
     }
 
     /// The decode path: ggml's `vec_dot_f32` of both builds, tails included.
