@@ -249,47 +249,24 @@ impl ToyBackend for Flex {
     }
 
     fn dense_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (x, w) = (x.to_contiguous(), w.to_contiguous());
-        let (Some((xd, [m, k])), Some((wd, [n, wk]))) = (matrix(&x), matrix(&w)) else {
-            return reference::dense_linear::<Self>(x, w);
-        };
-        if wk != k {
-            return reference::dense_linear::<Self>(x, w);
-        }
         // llama.cpp's arithmetic: tinyBLAS for several rows, vec_dot_f32 for one (decode).
         // Where tinyBLAS's shape conditions fail, `gemm`, whose blocked products beat ggml's
         // per-output fallback. (Training's forward, `dense_linear_tracked`, is `gemm`'s.)
-        let isa = ggml_isa();
-        let y = if tinyblas::applies(m, n, k, isa) {
-            tinyblas::matmul(
-                bytemuck::cast_slice(xd),
-                m,
-                bytemuck::cast_slice(wd),
-                n,
-                k,
-                tinyblas::Elem::F32,
-                isa,
-            )
-        } else if m == 1 {
-            tinyblas::vec_dot_matmul(xd, m, wd, n, k, isa)
-        } else {
-            // x · wᵀ: wᵀ[k, n] is w read with column stride k.
-            linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1))
-        };
-        FlexTensor::from_data(TensorData::new(y, [m, n]))
+        dense_product(x, w, |xd, m, wd, n, k| {
+            let isa = ggml_isa();
+            if tinyblas::applies(m, n, k, isa) {
+                let (xb, wb) = (bytemuck::cast_slice(xd), bytemuck::cast_slice(wd));
+                tinyblas::matmul(xb, m, wb, n, k, tinyblas::Elem::F32, isa)
+            } else if m == 1 {
+                tinyblas::vec_dot_matmul(xd, m, wd, n, k, isa)
+            } else {
+                gemm_linear(xd, m, wd, n, k)
+            }
+        })
     }
 
     fn dense_linear_tracked(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (x, w) = (x.to_contiguous(), w.to_contiguous());
-        let (Some((xd, [m, k])), Some((wd, [n, wk]))) = (matrix(&x), matrix(&w)) else {
-            return reference::dense_linear::<Self>(x, w);
-        };
-        if wk != k {
-            return reference::dense_linear::<Self>(x, w);
-        }
-        // x · wᵀ: wᵀ[k, n] is w read with column stride k.
-        let y = linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1));
-        FlexTensor::from_data(TensorData::new(y, [m, n]))
+        dense_product(x, w, gemm_linear)
     }
 
     fn dense_linear_backward(
@@ -609,6 +586,27 @@ fn f32_elements(t: &FlexTensor) -> Option<Cow<'_, [f32]>> {
 }
 
 /// A contiguous f32 matrix's data and `[rows, cols]`.
+/// `x[m, k] · w[n, k]ᵀ` by `product(x, m, w, n, k)` for f32 matrices; the reference body for
+/// anything else (other dtypes, ranks, mismatched `k`).
+fn dense_product(
+    x: FlexTensor,
+    w: FlexTensor,
+    product: impl Fn(&[f32], usize, &[f32], usize, usize) -> Vec<f32>,
+) -> FlexTensor {
+    let (x, w) = (x.to_contiguous(), w.to_contiguous());
+    match (matrix(&x), matrix(&w)) {
+        (Some((xd, [m, k])), Some((wd, [n, wk]))) if wk == k => {
+            FlexTensor::from_data(TensorData::new(product(xd, m, wd, n, k), [m, n]))
+        }
+        _ => reference::dense_linear::<Flex>(x, w),
+    }
+}
+
+/// `x · wᵀ` with `gemm`: wᵀ[k, n] is w read with column stride k.
+fn gemm_linear(xd: &[f32], m: usize, wd: &[f32], n: usize, k: usize) -> Vec<f32> {
+    linear::new_product(m, n, k, (xd, 1, k), (wd, k, 1))
+}
+
 fn matrix(t: &FlexTensor) -> Option<(&[f32], [usize; 2])> {
     let shape = t.shape();
     if shape.num_dims() != 2 {

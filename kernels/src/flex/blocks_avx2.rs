@@ -20,7 +20,7 @@ use toy_quant::IQ4_GRID;
 /// ggml's `hsum_float_8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_float_8(x: __m256) -> f32 {
+pub(super) fn hsum_float_8(x: __m256) -> f32 {
     let mut res = _mm256_extractf128_ps(x, 1);
     res = _mm_add_ps(res, _mm256_castps256_ps128(x));
     res = _mm_add_ps(res, _mm_movehl_ps(res, res));

@@ -38,7 +38,9 @@ impl Elem {
         match self {
             Elem::F32 => f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes")),
             Elem::F16 => half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
-            Elem::BF16 => f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16),
+            Elem::BF16 => {
+                f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
+            }
         }
     }
 }
@@ -110,10 +112,15 @@ pub(super) fn matmul(
 ) -> Vec<f32> {
     debug_assert!(applies(m, n, k, isa));
     let (xrow, wrow) = (k * elem.bytes(), k * elem.bytes());
-    assert!(x.len() >= m * xrow && w.len() >= n * wrow, "tinyBLAS operands too short");
+    assert!(
+        x.len() >= m * xrow && w.len() >= n * wrow,
+        "tinyBLAS operands too short"
+    );
     // Weight rows per task: a multiple of 4, about eight tasks per thread so that uneven
     // finishing evens out.
-    let per_task = (n / (rayon::current_num_threads() * 8)).max(4).next_multiple_of(4);
+    let per_task = (n / (rayon::current_num_threads() * 8))
+        .max(4)
+        .next_multiple_of(4);
     // Each task writes the columns of its weight rows straight into the row-major `[m, n]`
     // output (no transposed copy): disjoint elements, so the tasks share one pointer.
     let mut out = vec![0.0f32; m * n];
@@ -132,7 +139,12 @@ pub(super) fn matmul(
         }
         for r in 0..rows {
             for i in 0..m {
-                let y = dot(&w[r * wrow..(r + 1) * wrow], &x[i * xrow..(i + 1) * xrow], elem, isa);
+                let y = dot(
+                    &w[r * wrow..(r + 1) * wrow],
+                    &x[i * xrow..(i + 1) * xrow],
+                    elem,
+                    isa,
+                );
                 // SAFETY: as above.
                 unsafe { *o.add(i * n + r) = y };
             }
@@ -204,6 +216,7 @@ fn vec_dot_f32(w: &[f32], x: &[f32], isa: GgmlIsa) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::super::blocks_avx2::hsum_float_8 as hsum;
     use super::{Elem, GgmlIsa};
 
     const F32: u8 = 0;
@@ -235,24 +248,15 @@ mod avx2 {
         for i in (0..n8).step_by(8) {
             // SAFETY: `i + 8 <= x.len()`, and `o` holds `2 · x.len()` bytes (asserted).
             unsafe {
-                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(x.as_ptr().add(i)));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(
+                    x.as_ptr().add(i),
+                ));
                 _mm_storeu_si128(o.as_mut_ptr().add(2 * i) as *mut __m128i, h);
             }
         }
         for i in n8..x.len() {
             o[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(x[i]).to_le_bytes());
         }
-    }
-
-    /// ggml's `hsum_float_8` (tinyBLAS's `hsum` of an `__m256`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum(x: __m256) -> f32 {
-        let mut r = _mm256_extractf128_ps(x, 1);
-        r = _mm_add_ps(r, _mm256_castps256_ps128(x));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        r = _mm_add_ss(r, _mm_movehdup_ps(r));
-        _mm_cvtss_f32(r)
     }
 
     /// The `RM × RN` outputs of weight rows `w + r·ld` by activation rows `x + i·ld` (`ld`
@@ -319,7 +323,11 @@ mod avx2 {
                 for (j, a) in acc.iter_mut().enumerate() {
                     for (h, a) in a.iter_mut().enumerate() {
                         let e = i + 8 * H * j + 8 * h;
-                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(e)), _mm256_loadu_ps(wp.add(e)), *a);
+                        *a = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(xp.add(e)),
+                            _mm256_loadu_ps(wp.add(e)),
+                            *a,
+                        );
                     }
                 }
                 i += step;
@@ -417,6 +425,16 @@ mod avx2 {
 mod tests {
     use super::*;
 
+    /// Values in [-2, 2) from a fixed-seed LCG.
+    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+        }
+    }
+
     fn bytes(v: &[f32], elem: Elem) -> Vec<u8> {
         v.iter()
             .flat_map(|&f| match elem {
@@ -430,24 +448,41 @@ mod tests {
     /// The vector f16 rounding is `half`'s (and bf16's is `f32_to_bf16`), edge values included.
     #[test]
     fn half_rounding_matches_the_scalar_conversions() {
-        let mut x: Vec<f32> = (0..20_000).map(|i| ((i as f32) * 0.37).sin() * 70_000.0 / (1 + i % 97) as f32).collect();
-        x.extend([0.0, -0.0, 65504.0, 65520.0, 1e-8, -6e-5, 5.96e-8, f32::INFINITY, f32::MIN_POSITIVE, 3.0e38]);
+        let mut x: Vec<f32> = (0..20_000)
+            .map(|i| ((i as f32) * 0.37).sin() * 70_000.0 / (1 + i % 97) as f32)
+            .collect();
+        x.extend([
+            0.0,
+            -0.0,
+            65504.0,
+            65520.0,
+            1e-8,
+            -6e-5,
+            5.96e-8,
+            f32::INFINITY,
+            f32::MIN_POSITIVE,
+            3.0e38,
+        ]);
         let f16 = round_to_half(&x, Elem::F16);
         let bf16 = round_to_half(&x, Elem::BF16);
         for (i, &v) in x.iter().enumerate() {
-            assert_eq!(&f16[2 * i..2 * i + 2], half::f16::from_f32(v).to_le_bytes(), "f16 of {v}");
-            assert_eq!(&bf16[2 * i..2 * i + 2], toy_quant::f32_to_bf16(v).to_le_bytes(), "bf16 of {v}");
+            assert_eq!(
+                &f16[2 * i..2 * i + 2],
+                half::f16::from_f32(v).to_le_bytes(),
+                "f16 of {v}"
+            );
+            assert_eq!(
+                &bf16[2 * i..2 * i + 2],
+                toy_quant::f32_to_bf16(v).to_le_bytes(),
+                "bf16 of {v}"
+            );
         }
     }
 
     /// The decode path: ggml's `vec_dot_f32` of both builds, tails included.
     #[test]
     fn vec_dot_products_are_bit_identical_to_the_spec() {
-        let mut seed = 11u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-        };
+        let mut next = uniform(11);
         for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
             for (m, n, k) in [(1, 5, 32), (1, 9, 100), (2, 3, 64), (3, 7, 576), (1, 4, 7)] {
                 let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
@@ -460,7 +495,11 @@ mod tests {
                             GgmlIsa::Avx2 => super::super::vec_dot_f32_avx2(wr, xr),
                             GgmlIsa::Avx512 => super::super::vec_dot_f32(k, |c| wr[c], |c| xr[c]),
                         };
-                        assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "{isa:?} {m} {n} {k}");
+                        assert_eq!(
+                            got[i * n + j].to_bits(),
+                            want.to_bits(),
+                            "{isa:?} {m} {n} {k}"
+                        );
                     }
                 }
             }
@@ -471,14 +510,16 @@ mod tests {
     /// kernel's bits are the per-output specification's.
     #[test]
     fn tiled_products_are_bit_identical_to_the_spec() {
-        let mut seed = 7u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-        };
+        let mut next = uniform(7);
         for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
             for elem in [Elem::F32, Elem::F16, Elem::BF16] {
-                for (m, n, k) in [(2, 4, 16), (3, 8, 32), (7, 12, 48), (17, 20, 64), (40, 36, 4096)] {
+                for (m, n, k) in [
+                    (2, 4, 16),
+                    (3, 8, 32),
+                    (7, 12, 48),
+                    (17, 20, 64),
+                    (40, 36, 4096),
+                ] {
                     let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
                     let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
                     let (xb, wb) = (bytes(&x, elem), bytes(&w, elem));
@@ -486,8 +527,12 @@ mod tests {
                     let rb = k * elem.bytes();
                     for i in 0..m {
                         for j in 0..n {
-                            let want =
-                                dot(&wb[j * rb..(j + 1) * rb], &xb[i * rb..(i + 1) * rb], elem, isa);
+                            let want = dot(
+                                &wb[j * rb..(j + 1) * rb],
+                                &xb[i * rb..(i + 1) * rb],
+                                elem,
+                                isa,
+                            );
                             assert_eq!(
                                 got[i * n + j].to_bits(),
                                 want.to_bits(),
