@@ -764,6 +764,11 @@ fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]>
         return unsafe {
             match (ty, x, form) {
                 (GgmlType::Q4K, ActRow::Q8K(y), Form::Gemv) => Some(v::dot8_q4_k_gemv(w, y)),
+                (GgmlType::IQ4NL, ActRow::Q8(y), Form::Gemv) => Some(v::dot8_repacked_32(
+                    w[0].len() / 18,
+                    y,
+                    v::Repacked8::Iq4Nl(w),
+                )),
                 _ => None,
             }
         };

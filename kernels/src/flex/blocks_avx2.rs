@@ -720,6 +720,117 @@ pub(super) fn dot_repacked_32(
     acc
 }
 
+/// Eight weight rows of a type llama.cpp repacks into its 8x8 layout, for `dot8_repacked_32`.
+pub(super) enum Repacked8<'a> {
+    /// Q4_0 in the split layout: 16 bytes of nibbles per block, the f32 scales apart.
+    Q4_0 {
+        quants: [&'a [u8]; 8],
+        scales: [&'a [f32]; 8],
+    },
+    /// IQ4_NL blocks: an f16 scale, then 16 bytes of grid indices.
+    Iq4Nl([&'a [u8]; 8]),
+}
+
+/// Eight outputs of `dot_repacked_32` — weight rows `0..8` against one activation row — as
+/// llama.cpp's `gemv_q4_0_8x8` / `gemv_iq4_nl_8x8` compute them: each row's exact block sums,
+/// then one 8-wide fused multiply-add per block for all eight rows (the same bits per output as
+/// eight `dot_repacked_32` calls, whose scalar FMA chain was the bottleneck). The rows are read
+/// one after another, each in memory order, a chunk of blocks at a time: interleaving eight
+/// short rows defeats the hardware prefetcher. (The closures are written here, inside the
+/// `target_feature` function, so that the SIMD helpers they call are inlined.)
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot8_repacked_32(nb: usize, x: &QuantRow, w: Repacked8<'_>) -> [f32; 8] {
+    assert!(x.quants.len() >= BLOCK * nb && x.scales.len() >= nb);
+    match w {
+        Repacked8::Q4_0 { quants, scales } => {
+            for r in 0..8 {
+                assert!(quants[r].len() >= 16 * nb && scales[r].len() >= nb);
+            }
+            dot8_blocks(
+                nb,
+                x,
+                |r, b| q4_0_values(&quants[r][16 * b..]),
+                |r, b| scales[r][b],
+            )
+        }
+        Repacked8::Iq4Nl(blocks) => {
+            for row in &blocks {
+                assert!(row.len() >= 18 * nb);
+            }
+            dot8_blocks(
+                nb,
+                x,
+                |r, b| iq4_values(&blocks[r][18 * b + 2..]),
+                |r, b| f16c_at(blocks[r], 18 * b),
+            )
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot8_blocks(
+    nb: usize,
+    x: &QuantRow,
+    values: impl Fn(usize, usize) -> __m256i,
+    dw: impl Fn(usize, usize) -> f32,
+) -> [f32; 8] {
+    const CHUNK: usize = 32;
+    let mut acc = _mm256_setzero_ps();
+    // Per block of the chunk, each row's eight i32 partial sums. Left uninitialized: zeroing
+    // 8 KiB per call cost a third of the kernel's time on SmolLM2's 18-block rows.
+    let mut lanes = [[std::mem::MaybeUninit::<__m256i>::uninit(); 8]; CHUNK];
+    for b0 in (0..nb).step_by(CHUNK) {
+        let b1 = (b0 + CHUNK).min(nb);
+        for r in 0..8 {
+            for b in b0..b1 {
+                let v = signed_lanes(values(r, b), load_q8(&x.quants[BLOCK * b..]));
+                lanes[b - b0][r].write(v);
+            }
+        }
+        for b in b0..b1 {
+            // SAFETY: the loop above wrote all eight rows of blocks b0..b1.
+            let v: [__m256i; 8] =
+                std::array::from_fn(|r| unsafe { lanes[b - b0][r].assume_init() });
+            let isum = row_sums8(&v);
+            let d = _mm256_setr_ps(
+                dw(0, b),
+                dw(1, b),
+                dw(2, b),
+                dw(3, b),
+                dw(4, b),
+                dw(5, b),
+                dw(6, b),
+                dw(7, b),
+            );
+            let d = _mm256_mul_ps(d, _mm256_set1_ps(x.scales[b]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc);
+        }
+    }
+    let mut out = [0.0f32; 8];
+    // SAFETY: 8 f32 = 32 bytes.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
+/// The eight rows' horizontal sums `[Σ v[0], …, Σ v[7]]` of eight vectors of i32 lanes, by a
+/// tree of `hadd`s (exact: integer adds in any order) instead of eight separate reductions.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn row_sums8(v: &[__m256i; 8]) -> __m256i {
+    let h01 = _mm256_hadd_epi32(v[0], v[1]);
+    let h23 = _mm256_hadd_epi32(v[2], v[3]);
+    let h45 = _mm256_hadd_epi32(v[4], v[5]);
+    let h67 = _mm256_hadd_epi32(v[6], v[7]);
+    // Per 128-bit half: rows 0–3 (4–7) summed over that half's four lanes.
+    let h0123 = _mm256_hadd_epi32(h01, h23);
+    let h4567 = _mm256_hadd_epi32(h45, h67);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256(h0123, h4567, 0x20),
+        _mm256_permute2x128_si256(h0123, h4567, 0x31),
+    )
+}
+
 /// Q4_0 block values: nibbles − 8 (low nibbles first).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

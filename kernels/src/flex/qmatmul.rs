@@ -167,38 +167,53 @@ mod avx2 {
         // One specialized loop per format: no per-block branch on it.
         unsafe {
             match format {
-                Format::Q8_0 => dot4_for::<0>(x, w, s, m),
-                Format::Q4_0 => dot4_for::<1>(x, w, s, m),
-                Format::Q4_1 => dot4_for::<2>(x, w, s, m),
+                Format::Q8_0 => dot_rows::<0, 4>(x, w, s, m),
+                Format::Q4_0 => dot_rows::<1, 4>(x, w, s, m),
+                Format::Q4_1 => dot_rows::<2, 4>(x, w, s, m),
+            }
+        }
+    }
+
+    /// One output element, reading its weight row alone and in memory order — what a decode
+    /// step wants: interleaving four rows' blocks splits the read into four short streams
+    /// (one row is only a few cache lines) that the hardware prefetcher never locks onto.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot1(format: Format, x: &QuantRow, w: &[u8], s: &[f32], m: &[f32]) -> f32 {
+        unsafe {
+            match format {
+                Format::Q8_0 => dot_rows::<0, 1>(x, [w], [s], [m])[0],
+                Format::Q4_0 => dot_rows::<1, 1>(x, [w], [s], [m])[0],
+                Format::Q4_1 => dot_rows::<2, 1>(x, [w], [s], [m])[0],
             }
         }
     }
 
     const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
 
+    /// `R` weight rows against one activation row, each with its own accumulator.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn dot4_for<const F: usize>(
+    unsafe fn dot_rows<const F: usize, const R: usize>(
         x: &QuantRow,
-        w: [&[u8]; 4],
-        s: [&[f32]; 4],
-        m: [&[f32]; 4],
-    ) -> [f32; 4] {
+        w: [&[u8]; R],
+        s: [&[f32]; R],
+        m: [&[f32]; R],
+    ) -> [f32; R] {
         let format = FORMATS[F];
         let bb = format.block_bytes();
         let blocks = x.scales.len();
         // The caller passes whole rows: `blocks` blocks of weights, scales (and mins for Q4_1).
-        for r in 0..4 {
+        for r in 0..R {
             assert!(w[r].len() >= blocks * bb && s[r].len() >= blocks);
             assert!(format != Format::Q4_1 || m[r].len() >= blocks);
         }
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut mins = [0.0f32; 4];
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut mins = [0.0f32; R];
             for b in 0..blocks {
                 let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK) as *const __m256i);
                 let xd = *x.scales.get_unchecked(b);
-                for r in 0..4 {
+                for r in 0..R {
                     let d = _mm256_set1_ps(*s[r].get_unchecked(b) * xd);
                     let wq = load_weights(format, w[r].get_unchecked(b * bb..));
                     let q = _mm256_cvtepi32_ps(lane_sums(format, wq, xq));
@@ -230,6 +245,19 @@ pub(super) fn dot4_impl() -> Dot4Fn {
         return |format, x, w, s, m| unsafe { avx2::dot4(format, x, w, s, m) };
     }
     |format, x, w, s, m| std::array::from_fn(|r| dot_scalar(format, x, w[r], s[r], m[r]))
+}
+
+/// One output element's dot product (see `avx2::dot1`).
+pub(super) type Dot1Fn = fn(Format, &QuantRow, &[u8], &[f32], &[f32]) -> f32;
+
+/// The fastest single-row implementation this CPU has.
+pub(super) fn dot1_impl() -> Dot1Fn {
+    #[cfg(target_arch = "x86_64")]
+    if cpu_level() >= CpuLevel::Avx2 {
+        // SAFETY: as `dot4_impl`.
+        return |format, x, w, s, m| unsafe { avx2::dot1(format, x, w, s, m) };
+    }
+    dot_scalar
 }
 
 /// A packed weight's host buffers (contiguous; views of the tensors' memory, not copies).
@@ -375,6 +403,7 @@ fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> 
     let row_bytes = bytes.len() / n;
     let blocks = k / BLOCK;
     let dot4 = dot4_impl();
+    let dot1 = dot1_impl();
     let weight = |j: usize| {
         let mn = if mins.is_empty() {
             &[][..]
@@ -393,6 +422,14 @@ fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> 
     let mut out_t = vec![0.0f32; n * m];
     let work = |(g, cols): (usize, &mut [f32])| {
         let ncols = cols.len() / m;
+        if m == 1 {
+            // Decode: bound by reading the weights, so one row at a time in memory order.
+            for (c, out) in cols.iter_mut().enumerate() {
+                let (w, s, mn) = weight(g * COLS + c);
+                *out = dot1(format, &rows[0], w, s, mn);
+            }
+            return;
+        }
         // Activation rows in blocks, as `blocks::matmul` (reuse from L1).
         for i0 in (0..m).step_by(blocks::ROW_BLOCK) {
             let i1 = (i0 + blocks::ROW_BLOCK).min(m);
@@ -424,23 +461,10 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
     let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
     let mut out_t = vec![0.0f32; n * m];
     let fast = cpu_level() >= CpuLevel::Avx2;
-    out_t.par_chunks_mut(m).enumerate().for_each(|(j, col)| {
+    let column = |j: usize, col: &mut [f32]| {
         let wq = &bytes[j * row_bytes..(j + 1) * row_bytes];
         let ws = &w.scales[j * nb..(j + 1) * nb];
         for (o, row) in col.iter_mut().zip(&rows) {
-            #[cfg(target_arch = "x86_64")]
-            if fast {
-                // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
-                *o = unsafe {
-                    blocks_avx2::dot_repacked_32(
-                        nb,
-                        row,
-                        |b| blocks_avx2::q4_0_values(&wq[16 * b..]),
-                        |b| ws[b],
-                    )
-                };
-                continue;
-            }
             *o = blocks::dot_repacked_32(
                 nb,
                 row,
@@ -448,7 +472,39 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
                 |b| ws[b],
             );
         }
-    });
+    };
+    // Groups of eight columns, as llama.cpp's 8x8 kernels (the repacked layout needs n % 8 == 0).
+    out_t
+        .par_chunks_mut(8 * m)
+        .enumerate()
+        .for_each(|(g, cols)| {
+            #[cfg(target_arch = "x86_64")]
+            if fast && cols.len() == 8 * m {
+                let j0 = 8 * g;
+                for (i, row) in rows.iter().enumerate() {
+                    // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+                    let y = unsafe {
+                        blocks_avx2::dot8_repacked_32(
+                            nb,
+                            row,
+                            blocks_avx2::Repacked8::Q4_0 {
+                                quants: std::array::from_fn(|r| {
+                                    &bytes[(j0 + r) * row_bytes..(j0 + r + 1) * row_bytes]
+                                }),
+                                scales: std::array::from_fn(|r| {
+                                    &w.scales[(j0 + r) * nb..(j0 + r + 1) * nb]
+                                }),
+                            },
+                        )
+                    };
+                    (0..8).for_each(|r| cols[r * m + i] = y[r]);
+                }
+                return;
+            }
+            for (c, col) in cols.chunks_mut(m).enumerate() {
+                column(8 * g + c, col);
+            }
+        });
     transpose_columns(out_t, m, n)
 }
 
@@ -502,6 +558,55 @@ mod tests {
                     got.iter().all(|g| g.to_bits() == want.to_bits()),
                     "{got:?} vs {want}"
                 );
+                let one = dot1_impl()(format, &row, &w, &s, &mn);
+                assert_eq!(one.to_bits(), want.to_bits(), "{one} vs {want}");
+            }
+        }
+    }
+
+    /// Q4_0's eight-row repacked kernel gives each row the specification's bits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn repacked_q4_0_eight_rows_match_the_spec() {
+        if cpu_level() < CpuLevel::Avx2 {
+            return;
+        }
+        let mut seed = 7u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        for nb in [1usize, 18, 64, 65, 200] {
+            let k = nb * BLOCK;
+            let x: Vec<f32> = (0..k)
+                .map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0)
+                .collect();
+            let row = quantize_row(&x);
+            let w: Vec<u8> = (0..8 * nb * 16).map(|_| next() as u8).collect();
+            let s: Vec<f32> = (0..8 * nb)
+                .map(|_| next() as f32 / u32::MAX as f32 * 0.1)
+                .collect();
+            // SAFETY: the CPU has AVX2 (checked above).
+            let got = unsafe {
+                blocks_avx2::dot8_repacked_32(
+                    nb,
+                    &row,
+                    blocks_avx2::Repacked8::Q4_0 {
+                        quants: std::array::from_fn(|r| &w[r * nb * 16..(r + 1) * nb * 16]),
+                        scales: std::array::from_fn(|r| &s[r * nb..(r + 1) * nb]),
+                    },
+                )
+            };
+            for r in 0..8 {
+                let want = blocks::dot_repacked_32(
+                    nb,
+                    &row,
+                    |b, i| weight_quant(Format::Q4_0, &w[(r * nb + b) * 16..], i),
+                    |b| s[r * nb + b],
+                );
+                assert_eq!(got[r].to_bits(), want.to_bits(), "row {r}, {nb} blocks");
             }
         }
     }

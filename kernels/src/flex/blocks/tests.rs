@@ -64,10 +64,11 @@ fn eight_row_dots_are_bit_identical_to_the_spec() {
     }
     let mut next = rng(11);
     let mut checked = 0;
-    for (ty, form) in [(GgmlType::Q4K, Form::Gemv)] {
+    for (ty, form) in [(GgmlType::Q4K, Form::Gemv), (GgmlType::IQ4NL, Form::Gemv)] {
         for sb in [1usize, 2, 3, 9, 17, 33] {
             let k = sb * QK_K;
-            let rows: Vec<Vec<u8>> = (0..8).map(|_| random_row(ty, sb, &mut next)).collect();
+            let blocks = k / ty.block_size();
+            let rows: Vec<Vec<u8>> = (0..8).map(|_| random_row(ty, blocks, &mut next)).collect();
             let x = random_activations(k, &mut next);
             let act = activation(ty, &x, form);
             let w: [&[u8]; 8] = std::array::from_fn(|r| rows[r].as_slice());
@@ -83,7 +84,7 @@ fn eight_row_dots_are_bit_identical_to_the_spec() {
             }
         }
     }
-    assert_eq!(checked, 48);
+    assert_eq!(checked, 96);
 }
 
 /// The 4-row kernels give each activation row the specification's bits.
