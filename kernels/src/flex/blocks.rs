@@ -739,12 +739,7 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
             (GgmlType::IQ4XS, ActRow::Q8K(y)) => v::dot_iq4_xs(w, y),
             (GgmlType::Q5_0, ActRow::Q8(y)) => v::dot_q5_0(w, y),
             (GgmlType::Q5_1, ActRow::Q8(y)) => v::dot_q5_1(w, y),
-            (GgmlType::IQ4NL, ActRow::Q8(y)) if form == Form::Gemv => v::dot_repacked_32(
-                w.len() / 18,
-                y,
-                |i| v::iq4_values_at(&w[18 * i + 2..]),
-                |i| f16_at(w, 18 * i),
-            ),
+            (GgmlType::IQ4NL, ActRow::Q8(y)) if form == Form::Gemv => v::dot_iq4_nl_repacked(w, y),
             (GgmlType::IQ4NL, ActRow::Q8(y)) => v::dot_iq4_nl(w, y, form == Form::TinyBlas),
             (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) if isa == GgmlIsa::Avx2 => {
                 v::dot_half_vec(w, y, ty == GgmlType::BF16)

@@ -704,18 +704,17 @@ pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
     sumf
 }
 
-/// IQ4_NL or Q4_0 values of block `i` for the repacked kernels' exact block sums.
+/// One output of IQ4_NL's repacked kernels (`blocks::dot_repacked_32` for a row of 18-byte
+/// blocks): each block's exact sum, then one fused multiply-add by `d_w · d_x`. The block
+/// accessors are written here, inside the `target_feature` function, so that they inline.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_repacked_32(
-    nb: usize,
-    x: &QuantRow,
-    values: impl Fn(usize) -> __m256i,
-    dw: impl Fn(usize) -> f32,
-) -> f32 {
+pub(super) fn dot_iq4_nl_repacked(w: &[u8], x: &QuantRow) -> f32 {
+    let nb = w.len() / 18;
     let mut acc = 0.0f32;
     for i in 0..nb {
-        let isum = hsum_i32_8(signed_lanes(values(i), load_q8(&x.quants[BLOCK * i..])));
-        acc = (isum as f32).mul_add(dw(i) * x.scales[i], acc);
+        let values = iq4_values(&w[18 * i + 2..]);
+        let isum = hsum_i32_8(signed_lanes(values, load_q8(&x.quants[BLOCK * i..])));
+        acc = (isum as f32).mul_add(f16c_at(w, 18 * i) * x.scales[i], acc);
     }
     acc
 }
@@ -841,12 +840,6 @@ pub(super) fn q4_0_values(qs: &[u8]) -> __m256i {
         _mm256_set1_epi8(0x0F),
     );
     _mm256_sub_epi8(nib, _mm256_set1_epi8(8))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn iq4_values_at(qs: &[u8]) -> __m256i {
-    iq4_values(qs)
 }
 
 /// 8 f16 or bf16 values widened to f32.

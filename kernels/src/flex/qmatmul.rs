@@ -138,18 +138,31 @@ mod avx2 {
         }
     }
 
-    /// Eight i32 lanes, lane l = Σ w[i] x[i] over i in 4l..4l+4 (ggml's mul_sum_i8_pairs).
+    /// `lane_sums`' weight operand, computed once per weight block however many activation rows
+    /// it meets: maddubs needs an unsigned operand, so |w| (Q4_1's weights are unsigned already).
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn lane_sums(format: Format, w: __m256i, x: __m256i) -> __m256i {
-        let ones = _mm256_set1_epi16(1);
+    unsafe fn unsigned_weights(format: Format, w: __m256i) -> __m256i {
         if format == Format::Q4_1 {
-            // Unsigned weights times signed activations directly.
-            return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+            w
+        } else {
+            _mm256_sign_epi8(w, w)
         }
-        // maddubs needs an unsigned operand: |w| times x with w's sign moved onto x.
-        let aw = _mm256_sign_epi8(w, w);
-        let sx = _mm256_sign_epi8(x, w);
+    }
+
+    /// Eight i32 lanes, lane l = Σ w[i] x[i] over i in 4l..4l+4 (ggml's mul_sum_i8_pairs), with
+    /// `aw = unsigned_weights(format, w)`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn lane_sums(format: Format, aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        let ones = _mm256_set1_epi16(1);
+        // Unsigned Q4_1 weights multiply the signed activations directly; otherwise |w| times
+        // x with w's sign moved onto x.
+        let sx = if format == Format::Q4_1 {
+            x
+        } else {
+            _mm256_sign_epi8(x, w)
+        };
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
     }
 
@@ -164,14 +177,7 @@ mod avx2 {
         s: [&[f32]; 4],
         m: [&[f32]; 4],
     ) -> [f32; 4] {
-        // One specialized loop per format: no per-block branch on it.
-        unsafe {
-            match format {
-                Format::Q8_0 => dot_rows::<0, 4>(x, w, s, m),
-                Format::Q4_0 => dot_rows::<1, 4>(x, w, s, m),
-                Format::Q4_1 => dot_rows::<2, 4>(x, w, s, m),
-            }
-        }
+        unsafe { tile::<4, 1>(format, [x], w, s, m)[0] }
     }
 
     /// One output element, reading its weight row alone and in memory order — what a decode
@@ -179,19 +185,12 @@ mod avx2 {
     /// (one row is only a few cache lines) that the hardware prefetcher never locks onto.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot1(format: Format, x: &QuantRow, w: &[u8], s: &[f32], m: &[f32]) -> f32 {
-        unsafe {
-            match format {
-                Format::Q8_0 => dot_rows::<0, 1>(x, [w], [s], [m])[0],
-                Format::Q4_0 => dot_rows::<1, 1>(x, [w], [s], [m])[0],
-                Format::Q4_1 => dot_rows::<2, 1>(x, [w], [s], [m])[0],
-            }
-        }
+        unsafe { tile::<1, 1>(format, [x], [w], [s], [m])[0][0] }
     }
 
     /// Four weight rows × two activation rows, as tinyBLAS's AVX2 `gemm4xN<2>` tiles them: each
     /// weight block is loaded, unpacked and made non-negative once for both activation rows.
-    /// Each output accumulates exactly as `dot_rows` (the same bits); `y[i][r]` is activation
-    /// row `i` against weight row `r`.
+    /// `y[i][r]` is activation row `i` against weight row `r`.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn tile4x2(
         format: Format,
@@ -200,62 +199,67 @@ mod avx2 {
         s: [&[f32]; 4],
         m: [&[f32]; 4],
     ) -> [[f32; 4]; 2] {
+        unsafe { tile::<4, 2>(format, x, w, s, m) }
+    }
+
+    /// `R` weight rows × `A` activation rows, every output with its own accumulator and
+    /// bit-identical to `dot_scalar`. One specialized loop per format: no per-block branch on it.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile<const R: usize, const A: usize>(
+        format: Format,
+        x: [&QuantRow; A],
+        w: [&[u8]; R],
+        s: [&[f32]; R],
+        m: [&[f32]; R],
+    ) -> [[f32; R]; A] {
         unsafe {
             match format {
-                Format::Q8_0 => tile4x2_for::<0>(x, w, s, m),
-                Format::Q4_0 => tile4x2_for::<1>(x, w, s, m),
-                Format::Q4_1 => tile4x2_for::<2>(x, w, s, m),
+                Format::Q8_0 => tile_for::<0, R, A>(x, w, s, m),
+                Format::Q4_0 => tile_for::<1, R, A>(x, w, s, m),
+                Format::Q4_1 => tile_for::<2, R, A>(x, w, s, m),
             }
         }
     }
 
+    const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
+
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn tile4x2_for<const F: usize>(
-        x: [&QuantRow; 2],
-        w: [&[u8]; 4],
-        s: [&[f32]; 4],
-        m: [&[f32]; 4],
-    ) -> [[f32; 4]; 2] {
+    unsafe fn tile_for<const F: usize, const R: usize, const A: usize>(
+        x: [&QuantRow; A],
+        w: [&[u8]; R],
+        s: [&[f32]; R],
+        m: [&[f32]; R],
+    ) -> [[f32; R]; A] {
         let format = FORMATS[F];
         let bb = format.block_bytes();
         let blocks = x[0].scales.len();
-        assert!(x[1].scales.len() == blocks);
-        for i in 0..2 {
-            assert!(x[i].quants.len() >= blocks * BLOCK);
-            assert!(format != Format::Q4_1 || x[i].sums.len() >= blocks);
+        // The caller passes whole rows: `blocks` blocks of activations (and their sums for
+        // Q4_1), of weights, scales (and mins for Q4_1).
+        for xi in &x {
+            assert!(xi.scales.len() == blocks && xi.quants.len() >= blocks * BLOCK);
+            assert!(format != Format::Q4_1 || xi.sums.len() >= blocks);
         }
-        for r in 0..4 {
+        for r in 0..R {
             assert!(w[r].len() >= blocks * bb && s[r].len() >= blocks);
             assert!(format != Format::Q4_1 || m[r].len() >= blocks);
         }
-        let ones = _mm256_set1_epi16(1);
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); 4]; 2];
-            let mut mins = [[0.0f32; 4]; 2];
+            let mut acc = [[_mm256_setzero_ps(); R]; A];
+            let mut mins = [[0.0f32; R]; A];
             for b in 0..blocks {
-                let xq: [__m256i; 2] = std::array::from_fn(|i| {
+                let xq: [__m256i; A] = std::array::from_fn(|i| {
                     _mm256_loadu_si256(x[i].quants.as_ptr().add(b * BLOCK) as *const __m256i)
                 });
-                let xd: [f32; 2] = std::array::from_fn(|i| *x[i].scales.get_unchecked(b));
-                for r in 0..4 {
+                for r in 0..R {
                     let wq = load_weights(format, w[r].get_unchecked(b * bb..));
-                    // `lane_sums`' operands, the weight's half shared by both rows.
-                    let aw = if format == Format::Q4_1 {
-                        wq
-                    } else {
-                        _mm256_sign_epi8(wq, wq)
-                    };
+                    let aw = unsigned_weights(format, wq);
                     let ws = *s[r].get_unchecked(b);
-                    for i in 0..2 {
-                        let sx = if format == Format::Q4_1 {
-                            xq[i]
-                        } else {
-                            _mm256_sign_epi8(xq[i], wq)
-                        };
-                        let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-                        let d = _mm256_set1_ps(ws * xd[i]);
-                        acc[i][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc[i][r]);
+                    for i in 0..A {
+                        let d = _mm256_set1_ps(ws * *x[i].scales.get_unchecked(b));
+                        let q = _mm256_cvtepi32_ps(lane_sums(format, aw, wq, xq[i]));
+                        acc[i][r] = _mm256_fmadd_ps(d, q, acc[i][r]);
                         if format == Format::Q4_1 {
                             mins[i][r] = m[r]
                                 .get_unchecked(b)
@@ -270,51 +274,6 @@ mod avx2 {
                     _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i][r]);
                     super::hsum8(lanes) + mins[i][r]
                 })
-            })
-        }
-    }
-
-    const FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
-
-    /// `R` weight rows against one activation row, each with its own accumulator.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn dot_rows<const F: usize, const R: usize>(
-        x: &QuantRow,
-        w: [&[u8]; R],
-        s: [&[f32]; R],
-        m: [&[f32]; R],
-    ) -> [f32; R] {
-        let format = FORMATS[F];
-        let bb = format.block_bytes();
-        let blocks = x.scales.len();
-        // The caller passes whole rows: `blocks` blocks of weights, scales (and mins for Q4_1).
-        for r in 0..R {
-            assert!(w[r].len() >= blocks * bb && s[r].len() >= blocks);
-            assert!(format != Format::Q4_1 || m[r].len() >= blocks);
-        }
-        unsafe {
-            let mut acc = [_mm256_setzero_ps(); R];
-            let mut mins = [0.0f32; R];
-            for b in 0..blocks {
-                let xq = _mm256_loadu_si256(x.quants.as_ptr().add(b * BLOCK) as *const __m256i);
-                let xd = *x.scales.get_unchecked(b);
-                for r in 0..R {
-                    let d = _mm256_set1_ps(*s[r].get_unchecked(b) * xd);
-                    let wq = load_weights(format, w[r].get_unchecked(b * bb..));
-                    let q = _mm256_cvtepi32_ps(lane_sums(format, wq, xq));
-                    acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
-                    if format == Format::Q4_1 {
-                        mins[r] = m[r]
-                            .get_unchecked(b)
-                            .mul_add(*x.sums.get_unchecked(b), mins[r]);
-                    }
-                }
-            }
-            std::array::from_fn(|r| {
-                let mut lanes = [0.0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
-                super::hsum8(lanes) + mins[r]
             })
         }
     }
@@ -653,32 +612,30 @@ pub(super) fn transpose_columns(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32>
 mod tests {
     use super::*;
 
-    /// The SIMD path must give the scalar specification's bits exactly.
-    #[test]
-    fn simd_dot_is_bit_identical_to_scalar() {
-        let mut seed = 1u64;
-        let mut next = move || {
+    /// Uniform values in [0, 1] from a fixed seed (a 64-bit LCG's high bits).
+    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+            (seed >> 33) as u32 as f32 / u32::MAX as f32
+        }
+    }
+
+    /// The SIMD path must give the scalar specification's bits exactly.
+    #[test]
+    fn simd_dot_is_bit_identical_to_scalar() {
+        let mut next = uniform(1);
         for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
             for blocks in [1usize, 3, 18, 48] {
                 let k = blocks * BLOCK;
-                let x: Vec<f32> = (0..k)
-                    .map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0)
-                    .collect();
+                let x: Vec<f32> = (0..k).map(|_| next() * 4.0 - 2.0).collect();
                 let row = quantize_row(&x);
                 let w: Vec<u8> = (0..blocks * format.block_bytes())
-                    .map(|_| next() as u8)
+                    .map(|_| (next() * 256.0) as u8)
                     .collect();
-                let s: Vec<f32> = (0..blocks)
-                    .map(|_| next() as f32 / u32::MAX as f32 * 0.1)
-                    .collect();
-                let mn: Vec<f32> = (0..blocks)
-                    .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
-                    .collect();
+                let s: Vec<f32> = (0..blocks).map(|_| next() * 0.1).collect();
+                let mn: Vec<f32> = (0..blocks).map(|_| next() - 0.5).collect();
                 let want = dot_scalar(format, &row, &w, &s, &mn);
                 let got = dot4_impl()(format, &row, [&w; 4], [&s; 4], [&mn; 4]);
                 assert!(
@@ -711,13 +668,7 @@ mod tests {
         let Some(tile) = tile4x2_impl() else {
             return;
         };
-        let mut seed = 3u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32 as f32 / u32::MAX as f32
-        };
+        let mut next = uniform(3);
         for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
             for blocks in [1usize, 3, 18, 48] {
                 let k = blocks * BLOCK;
@@ -727,7 +678,7 @@ mod tests {
                 let w: Vec<Vec<u8>> = (0..4)
                     .map(|_| {
                         (0..blocks * format.block_bytes())
-                            .map(|_| (next() * 255.0) as u8)
+                            .map(|_| (next() * 256.0) as u8)
                             .collect()
                     })
                     .collect();
@@ -761,23 +712,13 @@ mod tests {
         if cpu_level() < CpuLevel::Avx2 {
             return;
         }
-        let mut seed = 7u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = uniform(7);
         for nb in [1usize, 18, 64, 65, 200] {
             let k = nb * BLOCK;
-            let x: Vec<f32> = (0..k)
-                .map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0)
-                .collect();
+            let x: Vec<f32> = (0..k).map(|_| next() * 4.0 - 2.0).collect();
             let row = quantize_row(&x);
-            let w: Vec<u8> = (0..8 * nb * 16).map(|_| next() as u8).collect();
-            let s: Vec<f32> = (0..8 * nb)
-                .map(|_| next() as f32 / u32::MAX as f32 * 0.1)
-                .collect();
+            let w: Vec<u8> = (0..8 * nb * 16).map(|_| (next() * 256.0) as u8).collect();
+            let s: Vec<f32> = (0..8 * nb).map(|_| next() * 0.1).collect();
             // SAFETY: the CPU has AVX2 (checked above).
             let got = unsafe {
                 blocks_avx2::dot8_repacked_32(
