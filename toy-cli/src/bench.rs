@@ -11,7 +11,8 @@ use clap::Args;
 use toy_kernels::ToyBackend;
 
 use crate::backend::{BackendJob, Compute, dispatch};
-use crate::infer::load_model;
+use crate::infer::load_any_model;
+use toy_models::CausalLm;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -75,7 +76,7 @@ impl BackendJob for BenchJob {
 
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<Measured> {
         let args = self.0;
-        let (_file, config, model) = load_model::<B>(&args.model, &device)?;
+        let (_file, config, model) = load_any_model::<B>(&args.model, &device)?;
         let peak_rss_after_load_mb = proc_mb("VmHWM");
         // Token i of a run: a fixed, arbitrary id (the speed does not depend on which).
         let tokens = |from: usize, n: usize| {

@@ -14,7 +14,8 @@ use toy_train::eval::{EvalOptions, Scoring, perplexity};
 use toy_train::lmc::Interpolation;
 
 use crate::backend::{BackendJob, Compute, dispatch};
-use crate::infer::load_model;
+use crate::infer::load_any_model;
+use toy_models::CausalLm;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Method {
@@ -139,11 +140,11 @@ impl BackendJob for EvalJob {
             .data
             .as_deref()
             .context("give the text to evaluate on with --data")?;
-        let (file, _config, model) = load_model::<B>(model_path, &device)?;
+        let (file, _config, model) = load_any_model::<B>(model_path, &device)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let (tokens, options) =
             args.window
-                .prepare(&tokenizer, data, model.context_length, args.logprobs)?;
+                .prepare(&tokenizer, data, model.context_length(), args.logprobs)?;
         let context = options.context;
         let bar = ProgressBar::new(0).with_style(
             ProgressStyle::with_template("evaluating [{bar:30}] {pos}/{len} windows, ETA {eta}")

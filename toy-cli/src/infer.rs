@@ -14,8 +14,8 @@ use toy_core::gguf::GgufFile;
 use toy_core::sampling::{Sampler, SamplingParams, StopStrings};
 use toy_core::tokenizer::{StreamDecoder, Tokenizer};
 use toy_kernels::ToyBackend;
+use toy_models::Model;
 use toy_models::generate::{GenerateOptions, generate};
-use toy_models::{Model, Transformer, load};
 
 use crate::backend::{BackendJob, Compute, dispatch};
 
@@ -64,15 +64,8 @@ pub struct InferArgs {
     pub json: bool,
 }
 
-/// Open a GGUF llama-family model and load it onto `device`, with a progress bar on stderr.
-pub fn load_model<B: ToyBackend>(
-    path: &Path,
-    device: &B::Device,
-) -> Result<(GgufFile, ModelConfig, Transformer<B>)> {
-    with_progress(path, |file, progress| load::<B>(file, device, progress))
-}
-
-/// Open a GGUF model of any supported architecture (GPT-2 too) and load it onto `device`.
+/// Open a GGUF model of any supported architecture (GPT-2 too) and load it onto `device`, with
+/// a progress bar on stderr.
 pub fn load_any_model<B: ToyBackend>(
     path: &Path,
     device: &B::Device,

@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use toy_core::config::ModelConfig;
 use toy_core::gguf::{GgmlType, GgufFile};
-use toy_train::adapter::{Adapter, Heads, merge};
+use toy_train::adapter::{Adapter, QkLayout, merge};
 
 #[derive(Args, Debug, Clone)]
 pub struct MergeArgs {
@@ -27,22 +27,29 @@ pub fn run(args: MergeArgs) -> Result<()> {
         .with_context(|| format!("cannot open the base model {}", args.base.display()))?;
     let config = ModelConfig::from_gguf(&base)
         .with_context(|| format!("{} is not a model toy can read", args.base.display()))?;
-    if config.architecture != "llama" {
+    if config.norm != toy_core::config::NormKind::Rms {
         bail!(
-            "toy merge folds adapters into llama models; {} is {}",
+            "toy merge folds adapters into llama-family models; {} is {}",
             args.base.display(),
             config.architecture
         );
     }
     let adapter = if args.adapter.is_dir() {
-        let heads = Heads {
-            n_head: config.n_head,
-            n_head_kv: config.n_head_kv,
-        };
-        Adapter::read_peft(&args.adapter, heads)?
+        Adapter::read_peft(&args.adapter, QkLayout::of(&config))?
     } else {
         let file = GgufFile::open(&args.adapter)
             .with_context(|| format!("cannot open the adapter {}", args.adapter.display()))?;
+        // llama.cpp refuses such a pair too: the tensor names would mean other things.
+        let arch = file.get_str("general.architecture").ok().flatten();
+        if arch.is_some_and(|a| a != config.architecture) {
+            bail!(
+                "the adapter {} is for {} models; {} is {}",
+                args.adapter.display(),
+                arch.unwrap_or_default(),
+                args.base.display(),
+                config.architecture
+            );
+        }
         Adapter::read_gguf(&file)?
     };
     let ty = match args.ty.as_str() {

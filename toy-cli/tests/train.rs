@@ -353,13 +353,41 @@ fn llama_cpp_runs_a_toy_gpt2_checkpoint_to_the_same_greedy_tokens() {
     same_greedy_tokens_as_llama_cpp(&root().join("fixtures/corpus/trained-gpt2"));
 }
 
+/// Fine-tunes of a gemma3 (F32) and a qwen2 (Q8_0) base by `toy train`
+/// (`fixtures/finetune/make_family_finetunes.sh`): llama.cpp runs the base with toy's GGUF
+/// adapter (`--lora`) to the greedy tokens `toy infer` gives on `toy merge` of the base and the
+/// adapter — in its GGUF and in its PEFT form — and the full fine-tune, saved in the base's
+/// architecture, to the tokens `toy infer` gives on it.
+#[test]
+fn llama_cpp_runs_toy_fine_tunes_of_gemma3_and_qwen2() {
+    for family in ["gemma3", "qwen2"] {
+        let dir = root().join("fixtures/finetune").join(family);
+        let base = root().join(format!("fixtures/models/tiny-{family}.gguf"));
+        let oracle = dir.join("lora/llamacpp_greedy.json");
+        for adapter in [dir.join("lora/adapter.gguf"), dir.join("lora")] {
+            let merged = scratch(&format!("merged-{family}")).join("merged.gguf");
+            success(&toy(&[
+                "merge",
+                base.to_str().unwrap(),
+                adapter.to_str().unwrap(),
+                merged.to_str().unwrap(),
+            ]));
+            same_greedy_tokens(&merged, &oracle);
+        }
+        same_greedy_tokens_as_llama_cpp(&dir.join("full"));
+    }
+}
+
 /// `toy infer` gives llama.cpp's prompt ids and 32 greedy ids for every prompt recorded in
-/// `dir/llamacpp_greedy.json`.
+/// `dir/llamacpp_greedy.json`, on `dir/model.gguf`.
 fn same_greedy_tokens_as_llama_cpp(dir: &Path) {
-    let oracle: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("llamacpp_greedy.json")).unwrap())
-            .unwrap();
-    let model = dir.join("model.gguf");
+    same_greedy_tokens(&dir.join("model.gguf"), &dir.join("llamacpp_greedy.json"));
+}
+
+/// `toy infer` on `model` gives the prompt ids and greedy ids recorded in `oracle`.
+fn same_greedy_tokens(model: &Path, oracle: &Path) {
+    let oracle: Value = serde_json::from_str(&std::fs::read_to_string(oracle).unwrap()).unwrap();
+    let model = model.to_path_buf();
     for case in oracle["greedy"].as_array().unwrap() {
         let prompt = case["prompt"].as_str().unwrap();
         let out = success(&toy(&[

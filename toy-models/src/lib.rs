@@ -21,4 +21,4 @@ pub use llama::{KvCache, LlamaConfig, Transformer};
 pub use load::{LoadError, load};
 pub use model::{CausalLm, Model, load_model};
 pub use qlinear::{PackedMatrix, QLinear};
-pub use save::{SaveError, save, save_gpt2};
+pub use save::{SaveError, save, save_gpt2, save_like_base};

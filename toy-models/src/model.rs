@@ -14,6 +14,10 @@ use crate::load::{LoadError, load};
 
 /// A causal language model with a KV cache.
 pub trait CausalLm<B: ToyBackend> {
+    /// Final hidden states `[batch, t, d_model]` (after the output norm) of `tokens[batch, t]`
+    /// after the cached tokens; appends them (embeddings, and prefill chunks whose logits are
+    /// not needed).
+    fn forward_hidden(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3>;
     /// Logits `[batch, t, vocab]` of `tokens[batch, t]` after the cached tokens; appends them.
     fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3>;
     /// Logits `[batch, vocab]` of the last new position only.
@@ -29,6 +33,9 @@ pub trait CausalLm<B: ToyBackend> {
 }
 
 impl<B: ToyBackend> CausalLm<B> for Transformer<B> {
+    fn forward_hidden(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        Transformer::forward_hidden(self, tokens, cache)
+    }
     fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
         Transformer::forward(self, tokens, cache)
     }
@@ -50,6 +57,9 @@ impl<B: ToyBackend> CausalLm<B> for Transformer<B> {
 }
 
 impl<B: ToyBackend> CausalLm<B> for Gpt2<B> {
+    fn forward_hidden(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        Gpt2::forward_hidden(self, tokens, cache)
+    }
     fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
         Gpt2::forward(self, tokens, cache)
     }
@@ -78,6 +88,12 @@ pub enum Model<B: Backend> {
 }
 
 impl<B: ToyBackend> CausalLm<B> for Model<B> {
+    fn forward_hidden(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        match self {
+            Model::Llama(m) => m.forward_hidden(tokens, cache),
+            Model::Gpt2(m) => m.forward_hidden(tokens, cache),
+        }
+    }
     fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
         match self {
             Model::Llama(m) => m.forward(tokens, cache),

@@ -1,6 +1,7 @@
 //! Write a [`Transformer`] as a standard llama GGUF, or a [`Gpt2`] as a `gpt2` one: what `toy
 //! train` checkpoints are, and what [`load`](crate::load::load), `toy infer` and llama.cpp read
-//! back.
+//! back. A model fine-tuned from a base of any llama-family architecture is written in the
+//! base's architecture instead ([`to_gguf_like_base`]).
 //!
 //! The file has `general.architecture = llama`, every `llama.*` key llama.cpp needs to build the
 //! model, the tokenizer metadata of the caller's choosing (copied from the tokenizer's own GGUF),
@@ -14,7 +15,8 @@ use std::path::Path;
 use burn::module::Param;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use toy_core::gguf::{GgmlType, GgufError, GgufWriter, Value};
+use toy_core::config::ModelConfig;
+use toy_core::gguf::{GgmlType, GgufError, GgufFile, GgufWriter, Value, tensor_to_f32};
 use toy_kernels::ToyBackend;
 
 use crate::embedding::TokenEmbedding;
@@ -37,9 +39,17 @@ pub enum SaveError {
     #[error("metadata key {0:?} is written by the model saver; do not pass it as extra metadata")]
     ReservedKey(String),
     #[error(
-        "this model has {0}, which a GGUF `llama` file cannot express; saving other architectures is not supported yet"
+        "this model has {0}, which a GGUF `llama` file cannot express (a model fine-tuned from a base is saved in the base's architecture)"
     )]
     Architecture(&'static str),
+    #[error("cannot save {0}")]
+    Unsupported(&'static str),
+    #[error(transparent)]
+    Config(#[from] toy_core::config::ConfigError),
+    #[error(
+        "the base model has tensor {0}, which the fine-tuned model does not hold: saving would keep a stale copy"
+    )]
+    Missing(String),
     #[error("cannot read tensor {name} back from the device: {reason}")]
     Readback { name: String, reason: String },
 }
@@ -158,6 +168,155 @@ pub fn save<B: ToyBackend>(
     path: impl AsRef<Path>,
 ) -> Result<u64, SaveError> {
     Ok(to_gguf(model, config, extra)?.write_atomic(path)?)
+}
+
+/// Base tensors a model computes from but does not train: copied from the base (as F32).
+const FIXED_TENSORS: [&str; 3] = [
+    "rope_freqs.weight",
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+];
+
+/// The writer holding `model`, fine-tuned from `base`, in `base`'s own architecture — what
+/// `toy train --recipe full --base` writes for every llama-family base (qwen2, qwen3, gemma2/3,
+/// phi3, smollm3, granite, llama): every metadata key of `base` (its architecture's
+/// hyperparameters, RoPE scaling, sliding-window pattern, tokenizer) in file order, `extra`'s
+/// keys replacing or adding theirs, `general.file_type` = ALL_F32; then the model's tensors
+/// under the names llama.cpp's loader of that architecture reads (Q/K/V biases, Q/K norms,
+/// post-norms; phi3's Q/K/V and gate/up fused again into `attn_qkv` and `ffn_up`), and the
+/// base's RoPE factor tensors, which the model uses but does not train.
+///
+/// An untied head (`config.tied_embeddings = false`) is written as `output.weight`, which every
+/// one of these loaders takes when present. Any other base tensor the model does not hold is an
+/// error rather than a silently stale copy. A mixture-of-experts model is refused.
+pub fn to_gguf_like_base<B: ToyBackend>(
+    model: &Transformer<B>,
+    config: &LlamaConfig,
+    base: &GgufFile,
+    extra: &[(String, Value)],
+) -> Result<GgufWriter<'static>, SaveError> {
+    let arch = base.architecture()?.to_string();
+    let base_config = ModelConfig::from_gguf(base)?;
+    if config.n_expert > 0 {
+        return Err(SaveError::Unsupported(
+            "a mixture-of-experts model (olmoe): its experts are not trained",
+        ));
+    }
+    let mut w = GgufWriter::from_file(base);
+    let own = format!("{arch}.");
+    for (key, value) in extra {
+        if key == "general.architecture" || key.starts_with(&own) {
+            return Err(SaveError::ReservedKey(key.clone()));
+        }
+        w.set(key.clone(), value.clone())?;
+    }
+    w.set("general.file_type", Value::U32(0))?;
+
+    let c = config;
+    let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
+    add_embedding(&mut w, &model.token_embd, &[c.vocab_size, d])?;
+    add(&mut w, "output_norm.weight", &model.output_norm.gamma, &[d])?;
+    if !c.tied_embeddings {
+        add_linear(&mut w, "output.weight", &model.output, &[c.vocab_size, d])?;
+    }
+    for (i, b) in model.blocks.iter().enumerate() {
+        let name = |t: &str| format!("blk.{i}.{t}.weight");
+        let Ffn::Dense(mlp) = &b.ffn else {
+            return Err(SaveError::Unsupported(
+                "a mixture-of-experts model (olmoe): its experts are not trained",
+            ));
+        };
+        let a = &b.attn;
+        add(&mut w, &name("attn_norm"), &b.attn_norm.gamma, &[d])?;
+        if base_config.fused_qkv {
+            let parts = [(&a.wq, qdim), (&a.wk, kvdim), (&a.wv, kvdim)];
+            add_fused(&mut w, &name("attn_qkv"), &parts, d)?;
+        } else {
+            add_linear(&mut w, &name("attn_q"), &a.wq, &[qdim, d])?;
+            add_linear(&mut w, &name("attn_k"), &a.wk, &[kvdim, d])?;
+            add_linear(&mut w, &name("attn_v"), &a.wv, &[kvdim, d])?;
+        }
+        for (t, bias, n) in [("q", &a.bq, qdim), ("k", &a.bk, kvdim), ("v", &a.bv, kvdim)] {
+            if let Some(bias) = bias {
+                add(&mut w, &format!("blk.{i}.attn_{t}.bias"), bias, &[n])?;
+            }
+        }
+        let norm_width = |n: usize| if c.qk_norm { c.head_dim } else { n };
+        if let Some(q) = &a.q_norm {
+            add(&mut w, &name("attn_q_norm"), &q.gamma, &[norm_width(qdim)])?;
+        }
+        if let Some(k) = &a.k_norm {
+            add(&mut w, &name("attn_k_norm"), &k.gamma, &[norm_width(kvdim)])?;
+        }
+        add_linear(&mut w, &name("attn_output"), &a.wo, &[d, qdim])?;
+        if let Some(n) = &b.post_attn_norm {
+            add(&mut w, &name("post_attention_norm"), &n.gamma, &[d])?;
+        }
+        add(&mut w, &name("ffn_norm"), &b.ffn_norm.gamma, &[d])?;
+        if base_config.fused_gate_up {
+            let parts = [(&mlp.gate, c.d_ff), (&mlp.up, c.d_ff)];
+            add_fused(&mut w, &name("ffn_up"), &parts, d)?;
+        } else {
+            add_linear(&mut w, &name("ffn_gate"), &mlp.gate, &[c.d_ff, d])?;
+            add_linear(&mut w, &name("ffn_up"), &mlp.up, &[c.d_ff, d])?;
+        }
+        add_linear(&mut w, &name("ffn_down"), &mlp.down, &[d, c.d_ff])?;
+        if let Some(n) = &b.post_ffn_norm {
+            add(&mut w, &name("post_ffw_norm"), &n.gamma, &[d])?;
+        }
+    }
+    for info in &base.tensors {
+        if w.has_tensor(&info.name) {
+            continue;
+        }
+        if !FIXED_TENSORS.contains(&info.name.as_str()) {
+            return Err(SaveError::Missing(info.name.clone()));
+        }
+        let bytes: Vec<u8> = tensor_to_f32(base, info)?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        w.add_tensor(info.name.clone(), &info.dims, GgmlType::F32, bytes)?;
+    }
+    Ok(w)
+}
+
+/// Write `model` in `base`'s architecture to `path`, atomically (see [`to_gguf_like_base`]).
+pub fn save_like_base<B: ToyBackend>(
+    model: &Transformer<B>,
+    config: &LlamaConfig,
+    base: &GgufFile,
+    extra: &[(String, Value)],
+    path: impl AsRef<Path>,
+) -> Result<u64, SaveError> {
+    Ok(to_gguf_like_base(model, config, base, extra)?.write_atomic(path)?)
+}
+
+/// Add one matrix `[Σ outs, inp]` whose rows are the parts' rows in order (phi3's fused
+/// `attn_qkv` and gate+up `ffn_up`, which the loader splits by rows). The parts must share a
+/// type: a GGUF tensor has one.
+fn add_fused<B: ToyBackend>(
+    w: &mut GgufWriter<'static>,
+    name: &str,
+    parts: &[(&QLinear<B>, usize)],
+    inp: usize,
+) -> Result<(), SaveError> {
+    let mut ty = None;
+    let mut bytes = Vec::new();
+    for (linear, out) in parts {
+        let (t, b) = linear_data(name, linear, &[*out, inp])?;
+        if ty.is_some_and(|ty| ty != t) {
+            return Err(SaveError::Unsupported(
+                "fused matrices whose parts have different types (a GGUF tensor has one)",
+            ));
+        }
+        ty = Some(t);
+        bytes.extend(b);
+    }
+    let rows: usize = parts.iter().map(|(_, out)| out).sum();
+    let ty = ty.unwrap_or(GgmlType::F32);
+    w.add_tensor(name, &[inp as u64, rows as u64], ty, bytes)?;
+    Ok(())
 }
 
 /// The writer of a GPT-2 model as llama.cpp's `gpt2` architecture: `gpt2.*` metadata from
@@ -281,9 +440,22 @@ fn add_linear<B: ToyBackend>(
     linear: &QLinear<B>,
     shape: &[usize; 2],
 ) -> Result<(), SaveError> {
+    let (ty, bytes) = linear_data(name, linear, shape)?;
+    let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+    w.add_tensor(name, &dims, ty, bytes)?;
+    Ok(())
+}
+
+/// A weight of PyTorch shape `shape` as GGUF rows: its type and bytes (packed weights keep
+/// their type and blocks, unchanged; dense ones are F32).
+fn linear_data<B: ToyBackend>(
+    name: &str,
+    linear: &QLinear<B>,
+    shape: &[usize; 2],
+) -> Result<(GgmlType, Vec<u8>), SaveError> {
     match linear {
-        QLinear::Dense(p) => add(w, name, p, shape),
-        QLinear::Packed(p) => add_packed(w, name, p, shape),
+        QLinear::Dense(p) => Ok((GgmlType::F32, float_data(name, p, shape)?)),
+        QLinear::Packed(p) => Ok((p.ty, packed_data(name, p, shape)?)),
     }
 }
 
@@ -295,17 +467,21 @@ fn add_embedding<B: ToyBackend>(
 ) -> Result<(), SaveError> {
     match embd {
         TokenEmbedding::Dense(e) => add(w, "token_embd.weight", &e.weight, shape),
-        TokenEmbedding::Packed(p) => add_packed(w, "token_embd.weight", p, shape),
+        TokenEmbedding::Packed(p) => {
+            let bytes = packed_data("token_embd.weight", p, shape)?;
+            let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+            w.add_tensor("token_embd.weight", &dims, p.ty, bytes)?;
+            Ok(())
+        }
     }
 }
 
-/// Add a packed weight of PyTorch shape `shape` as it is: its GGUF type and blocks, unchanged.
-fn add_packed<B: ToyBackend>(
-    w: &mut GgufWriter<'static>,
+/// The GGUF rows of a packed weight of PyTorch shape `shape`.
+fn packed_data<B: ToyBackend>(
     name: &str,
     p: &PackedMatrix<B>,
     shape: &[usize; 2],
-) -> Result<(), SaveError> {
+) -> Result<Vec<u8>, SaveError> {
     let found = p.dims().to_vec();
     if found != shape {
         return Err(SaveError::Shape {
@@ -337,10 +513,7 @@ fn add_packed<B: ToyBackend>(
         scales: &scales,
         mins: &mins,
     };
-    let bytes: Vec<u8> = (0..shape[0]).flat_map(|r| gguf_row(&view, r)).collect();
-    let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
-    w.add_tensor(name, &dims, p.ty, bytes)?;
-    Ok(())
+    Ok((0..shape[0]).flat_map(|r| gguf_row(&view, r)).collect())
 }
 
 /// Add a float tensor of PyTorch shape `shape` as F32 with ggml dims (the shape reversed).
@@ -350,6 +523,18 @@ fn add<B: Backend, const D: usize>(
     param: &Param<Tensor<B, D>>,
     shape: &[usize; D],
 ) -> Result<(), SaveError> {
+    let bytes = float_data(name, param, shape)?;
+    let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+    w.add_tensor(name, &dims, GgmlType::F32, bytes)?;
+    Ok(())
+}
+
+/// A float tensor of PyTorch shape `shape` as little-endian F32 bytes.
+fn float_data<B: Backend, const D: usize>(
+    name: &str,
+    param: &Param<Tensor<B, D>>,
+    shape: &[usize; D],
+) -> Result<Vec<u8>, SaveError> {
     let t = param.val();
     let found = t.dims().to_vec();
     if found != shape {
@@ -367,8 +552,5 @@ fn add<B: Backend, const D: usize>(
             name: name.to_string(),
             reason: format!("{e:?}"),
         })?;
-    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
-    w.add_tensor(name, &dims, GgmlType::F32, bytes)?;
-    Ok(())
+    Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect())
 }

@@ -22,7 +22,7 @@ use toy_core::gguf::GgufFile;
 use toy_core::sampling::{Sampler, SamplingParams, StopStrings};
 use toy_core::tokenizer::{StreamDecoder, Tokenizer};
 use toy_kernels::ToyBackend;
-use toy_models::{KvCache, Transformer};
+use toy_models::{CausalLm, KvCache, Model};
 
 use crate::state::Shared;
 
@@ -201,14 +201,14 @@ pub fn run<B: ToyBackend>(
 fn load<B: ToyBackend>(
     config: &EngineConfig,
     device: &B::Device,
-) -> Result<(ModelInfo, Transformer<B>), String> {
+) -> Result<(ModelInfo, Model<B>), String> {
     let path = &config.model_path;
     let file = GgufFile::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .map_err(|e| format!("cannot build the tokenizer of {}: {e}", path.display()))?;
-    let (model_config, model) = toy_models::load::<B>(&file, device, |_, _| {})
+    let (model_config, model) = toy_models::load_model::<B>(&file, device, |_, _| {})
         .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
-    let model_context = model.context_length;
+    let model_context = model.context_length();
     let context = match config.ctx {
         None => model_context,
         Some(c) if c >= 2 && c <= model_context => c,
@@ -242,7 +242,7 @@ fn load<B: ToyBackend>(
 }
 
 struct Engine<'m, B: ToyBackend> {
-    model: &'m Transformer<B>,
+    model: &'m Model<B>,
     tokenizer: &'m Tokenizer,
     shared: &'m Shared,
     max_concurrency: usize,
@@ -388,7 +388,7 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
     }
 }
 
-fn ids_tensor<B: ToyBackend>(model: &Transformer<B>, ids: &[u32]) -> Tensor<B, 2, Int> {
+fn ids_tensor<B: ToyBackend>(model: &Model<B>, ids: &[u32]) -> Tensor<B, 2, Int> {
     let v: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
     let n = v.len();
     Tensor::from_data(TensorData::new(v, [1, n]), &model.device())
@@ -426,7 +426,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         tx: GenSender,
         enqueued: Instant,
         tokenizer: &'t Tokenizer,
-        model: &Transformer<B>,
+        model: &Model<B>,
     ) -> Self {
         Sequence {
             sampler: Sampler::new(params.sampling.clone()),
@@ -454,7 +454,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
     /// the sequence is finished.
     fn step(
         &mut self,
-        model: &Transformer<B>,
+        model: &Model<B>,
         tokenizer: &Tokenizer,
         metrics: &crate::metrics::Metrics,
     ) -> Result<bool, String> {
@@ -513,7 +513,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
 
     fn prefill(
         &mut self,
-        model: &Transformer<B>,
+        model: &Model<B>,
         metrics: &crate::metrics::Metrics,
     ) -> Result<bool, String> {
         let prompt = &self.params.prompt;

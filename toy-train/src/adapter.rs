@@ -6,11 +6,12 @@
 //! - PEFT: `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` `[r, in]` and
 //!   `…lora_B.weight` `[out, r]`, in the HF orientation: the rows of q's and k's `B` are in HF's
 //!   half-split order, the inverse of the permutation the HF→GGUF converter applies to Q/K.
-//! - GGUF: `general.type = adapter`, `adapter.type = lora`, `adapter.lora.alpha`; tensors
-//!   `blk.N.attn_q.weight.lora_a` with ggml dims `[in, r]` and `…lora_b` with dims `[r, out]`
-//!   (the same row-major bytes as PEFT's `[r, in]` and `[out, r]`), in the GGUF orientation
-//!   (Q/K rows permuted for interleaved RoPE, as the base's `attn_q`/`attn_k`). llama.cpp adds
-//!   `(alpha / r) · B·(A·x)` to the projection (`llm_graph_context::build_lora_mm`).
+//! - GGUF: `general.architecture` = the base's, `general.type = adapter`, `adapter.type = lora`,
+//!   `adapter.lora.alpha`; tensors `blk.N.attn_q.weight.lora_a` with ggml dims `[in, r]` and
+//!   `…lora_b` with dims `[r, out]` (the same row-major bytes as PEFT's `[r, in]` and
+//!   `[out, r]`), in the GGUF orientation (Q/K rows permuted for interleaved RoPE, as the base's
+//!   `attn_q`/`attn_k`; see [`QkLayout`]). llama.cpp adds `(alpha / r) · B·(A·x)` to the
+//!   projection (`llm_graph_context::build_lora_mm`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -51,11 +52,24 @@ pub struct Adapter {
 /// A pair of adapter tensors being read: `A`, `B`, and `[rank, in, out]`.
 type HalfRead = (Option<Vec<f32>>, Option<Vec<f32>>, [usize; 3]);
 
-/// Head counts of the base, for the Q/K row permutation.
+/// How the base's Q/K rows relate to Hugging Face's: its head counts, and whether the HF→GGUF
+/// converter permuted them (it does for the architectures whose RoPE rotates interleaved pairs:
+/// llama, granite, smollm3; half-split "neox" ones — qwen2/3, gemma2/3, phi3 — keep HF's rows).
 #[derive(Debug, Clone, Copy)]
-pub struct Heads {
+pub struct QkLayout {
     pub n_head: usize,
     pub n_head_kv: usize,
+    pub permuted: bool,
+}
+
+impl QkLayout {
+    pub fn of(config: &toy_core::config::ModelConfig) -> Self {
+        QkLayout {
+            n_head: config.n_head,
+            n_head_kv: config.n_head_kv,
+            permuted: config.rope_layout == toy_core::config::RopeLayout::Interleaved,
+        }
+    }
 }
 
 fn host<B: Backend>(t: burn::tensor::Tensor<B, 2>) -> Result<Vec<f32>, TrainError> {
@@ -107,27 +121,24 @@ impl Adapter {
         t
     }
 
-    /// `B` in the HF orientation (q/k rows un-permuted).
-    fn b_hf(&self, t: &AdapterTensor, heads: Heads) -> Vec<f32> {
+    /// `B` in the HF orientation (q/k rows un-permuted where the converter permuted them).
+    fn b_hf(&self, t: &AdapterTensor, layout: QkLayout) -> Vec<f32> {
         match t.target {
-            Target::Q => permute_rows_to_hf(&t.b, heads.n_head, t.rank),
-            Target::K => permute_rows_to_hf(&t.b, heads.n_head_kv, t.rank),
+            Target::Q if layout.permuted => permute_rows_to_hf(&t.b, layout.n_head, t.rank),
+            Target::K if layout.permuted => permute_rows_to_hf(&t.b, layout.n_head_kv, t.rank),
             _ => t.b.clone(),
         }
     }
 
-    /// The GGUF LoRA adapter file of this adapter for a base of architecture `llama`.
-    pub fn to_gguf(&self, name: &str) -> Result<GgufWriter<'static>, TrainError> {
+    /// The GGUF LoRA adapter file of this adapter for a base of architecture `arch` (llama.cpp
+    /// refuses an adapter whose `general.architecture` is not its model's).
+    pub fn to_gguf(&self, name: &str, arch: &str) -> Result<GgufWriter<'static>, TrainError> {
         let mut w = GgufWriter::new();
         let set = |w: &mut GgufWriter<'static>, k: &str, v: Value| {
             w.set(k, v)
                 .map_err(|e| TrainError::Config(format!("adapter metadata {k}: {e}")))
         };
-        set(
-            &mut w,
-            "general.architecture",
-            Value::String("llama".into()),
-        )?;
+        set(&mut w, "general.architecture", Value::String(arch.into()))?;
         set(&mut w, "general.type", Value::String("adapter".into()))?;
         set(&mut w, "general.name", Value::String(name.into()))?;
         set(&mut w, "adapter.type", Value::String("lora".into()))?;
@@ -174,7 +185,7 @@ impl Adapter {
 
     /// PEFT's `adapter_model.safetensors` (F32, HF orientation, `{"format": "pt"}` metadata
     /// as torch writes).
-    pub fn peft_safetensors(&self, heads: Heads) -> Result<Vec<u8>, TrainError> {
+    pub fn peft_safetensors(&self, layout: QkLayout) -> Result<Vec<u8>, TrainError> {
         let mut entries: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         for t in &self.tensors {
@@ -191,7 +202,7 @@ impl Adapter {
             entries.push((
                 format!("{stem}.lora_B.weight"),
                 vec![t.out, t.rank],
-                bytes(&self.b_hf(t, heads)),
+                bytes(&self.b_hf(t, layout)),
             ));
         }
         let views = entries
@@ -205,22 +216,23 @@ impl Adapter {
         safetensors::serialize(views, Some(metadata)).map_err(safetensors_error)
     }
 
-    /// Write `adapter_config.json`, `adapter_model.safetensors` and `adapter.gguf` into `dir`,
-    /// each atomically. Returns the bytes written.
+    /// Write `adapter_config.json`, `adapter_model.safetensors` and `adapter.gguf` (for a base
+    /// of architecture `arch`) into `dir`, each atomically. Returns the bytes written.
     pub fn write_all(
         &self,
         dir: &Path,
-        heads: Heads,
+        layout: QkLayout,
+        arch: &str,
         base_name: &str,
         name: &str,
     ) -> Result<u64, TrainError> {
         let config = serde_json::to_vec_pretty(&self.peft_config(base_name))
             .expect("adapter config serializes");
         write_atomic(&dir.join("adapter_config.json"), &config)?;
-        let st = self.peft_safetensors(heads)?;
+        let st = self.peft_safetensors(layout)?;
         write_atomic(&dir.join("adapter_model.safetensors"), &st)?;
         let gguf = self
-            .to_gguf(name)?
+            .to_gguf(name, arch)?
             .write_atomic(dir.join("adapter.gguf"))
             .map_err(|e| TrainError::Config(format!("cannot write adapter.gguf: {e}")))?;
         Ok(config.len() as u64 + st.len() as u64 + gguf)
@@ -322,8 +334,8 @@ impl Adapter {
     }
 
     /// Read a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`),
-    /// bringing q/k rows into the GGUF orientation of a base with `heads`.
-    pub fn read_peft(dir: &Path, heads: Heads) -> Result<Self, TrainError> {
+    /// bringing q/k rows into the GGUF orientation of a base of `layout`.
+    pub fn read_peft(dir: &Path, layout: QkLayout) -> Result<Self, TrainError> {
         let read = |name: &str| {
             let p = dir.join(name);
             std::fs::read(&p).map_err(|source| TrainError::Io {
@@ -369,8 +381,8 @@ impl Adapter {
                 })?;
             let (r, inp, o) = (shape[0], shape[1], bshape[0]);
             let b = match parsed.1 {
-                Target::Q => permute_rows_to_gguf(b, heads.n_head, r),
-                Target::K => permute_rows_to_gguf(b, heads.n_head_kv, r),
+                Target::Q if layout.permuted => permute_rows_to_gguf(b, layout.n_head, r),
+                Target::K if layout.permuted => permute_rows_to_gguf(b, layout.n_head_kv, r),
                 _ => b.clone(),
             };
             rank = r;

@@ -16,7 +16,7 @@
 use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 use toy_kernels::ToyBackend;
-use toy_models::{CausalLm, Transformer};
+use toy_models::CausalLm;
 
 use crate::TrainError;
 use crate::data::Batch;
@@ -175,7 +175,7 @@ pub fn evaluate_batches<B: ToyBackend>(
 /// Cross-entropy and perplexity of `tokens` under `model` (see the module docs for windowing).
 /// `progress(done, total)` is called after each window.
 pub fn perplexity<B: ToyBackend>(
-    model: &Transformer<B>,
+    model: &impl CausalLm<B>,
     tokens: &[u32],
     options: &EvalOptions,
     mut progress: impl FnMut(usize, usize),
@@ -186,10 +186,10 @@ pub fn perplexity<B: ToyBackend>(
             "the evaluation context must be at least 2 tokens".into(),
         ));
     }
-    if n_ctx > model.context_length {
+    if n_ctx > model.context_length() {
         return Err(TrainError::Config(format!(
             "context {n_ctx} is longer than the model's {}; pass a smaller --context",
-            model.context_length
+            model.context_length()
         )));
     }
     let mut windows: Vec<Vec<u32>> = match options.scoring {

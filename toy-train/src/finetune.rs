@@ -23,7 +23,7 @@ use toy_models::lora::{Target, install, new_adapters, projection_mut};
 use toy_models::{LlamaConfig, Transformer};
 
 use crate::TrainError;
-use crate::adapter::Heads;
+use crate::adapter::QkLayout;
 use crate::config::{Recipe, TrainConfig};
 use crate::init::normals;
 use toy_core::rng::SplitMix64;
@@ -62,11 +62,13 @@ impl Base {
         }
     }
 
-    pub fn heads(&self) -> Heads {
-        Heads {
-            n_head: self.config.n_head,
-            n_head_kv: self.config.n_head_kv,
-        }
+    pub fn qk_layout(&self) -> QkLayout {
+        QkLayout::of(&self.config)
+    }
+
+    /// The base's `general.architecture` (what its checkpoints and adapters declare).
+    pub fn architecture(&self) -> &str {
+        &self.config.architecture
     }
 
     /// A name for the base in adapter files: `general.name`, or the file name.
@@ -91,7 +93,12 @@ pub fn start_model<B: ToyBackend>(
     let (_, model) = toy_models::load::<B>(&base.file, device, |_, _| {})
         .map_err(|e| TrainError::Config(format!("cannot load the base model: {e}")))?;
     match &config.recipe {
-        Recipe::Full { .. } => dequantize(model),
+        Recipe::Full { .. } => {
+            // Every weight trains, the embedding too: a packed table becomes an f32 one.
+            let mut model = dequantize(model)?;
+            model.token_embd = model.token_embd.dequantized();
+            Ok(model)
+        }
         Recipe::Lora { adapter, .. } | Recipe::Qlora { adapter, .. } => {
             let model = match config.recipe {
                 Recipe::Lora { .. } => dequantize(model)?,
@@ -99,6 +106,7 @@ pub fn start_model<B: ToyBackend>(
             };
             let model = model.map(&mut Freeze);
             let spec = adapter.spec()?;
+            check_unfused_targets(&base.config, &spec.targets)?;
             let seed = config.seed;
             let adapters = new_adapters(&model, &spec, |layer, target, [r, inp]| {
                 lora_a(seed, layer, target, r, inp)
@@ -110,6 +118,24 @@ pub fn start_model<B: ToyBackend>(
             "the {} recipe has no base model",
             config.recipe
         ))),
+    }
+}
+
+/// An adapter lives on one GGUF tensor: phi3's fused `attn_qkv` and gate+up `ffn_up` cannot
+/// take adapters of their parts (llama.cpp and PEFT would see one matrix).
+fn check_unfused_targets(config: &ModelConfig, targets: &[Target]) -> Result<(), TrainError> {
+    let fused = |t: &Target| match t {
+        Target::Q | Target::K | Target::V => config.fused_qkv,
+        Target::Gate | Target::Up => config.fused_gate_up,
+        Target::O | Target::Down => false,
+    };
+    match targets.iter().find(|t| fused(t)) {
+        Some(t) => Err(TrainError::Config(format!(
+            "{} stores its Q/K/V and gate/up projections fused (attn_qkv, ffn_up), so LoRA target {:?} has no matrix of its own; use --lora-targets o,down",
+            config.architecture,
+            t.name()
+        ))),
+        None => Ok(()),
     }
 }
 

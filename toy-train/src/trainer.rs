@@ -158,10 +158,24 @@ impl TrainSetup {
                 let adapter = Adapter::from_model(model, a.alpha, a.dropout)?;
                 adapter.write_all(
                     &run.path,
-                    base.heads(),
+                    base.qk_layout(),
+                    base.architecture(),
                     &base.name(),
                     &format!("toy {} {}", self.config.recipe, run.id),
                 )
+            }
+            // A full fine-tune keeps the base's architecture (its metadata and tensor set).
+            (Some(base), None, Model::Llama(model)) => {
+                let ModelSpec::Llama(config) = spec else {
+                    unreachable!("a run with a base trains a llama-family model")
+                };
+                Ok(toy_models::save_like_base(
+                    model,
+                    config,
+                    &base.file,
+                    meta,
+                    run.model_path(),
+                )?)
             }
             _ => spec.save(model, meta, &run.model_path()),
         }

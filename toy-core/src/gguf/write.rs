@@ -182,6 +182,11 @@ impl<'a> GgufWriter<'a> {
         self.tensors.len()
     }
 
+    /// Whether a tensor of this name has been added.
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.tensors.iter().any(|t| t.name == name)
+    }
+
     /// Write the file to `out`, returning the number of bytes written. `out` gets one large
     /// write for the header and one per tensor and padding, so it need not be buffered.
     pub fn write_to(&self, out: impl Write) -> Result<u64> {
