@@ -29,6 +29,9 @@ pub struct InferArgs {
     /// Most tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
     pub n_predict: usize,
+    /// A Jinja chat template for --chat instead of the model's `tokenizer.chat_template`.
+    #[arg(long, value_name = "FILE", requires = "chat")]
+    pub chat_template_file: Option<PathBuf>,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
@@ -102,6 +105,17 @@ fn with_progress<M>(
     Ok((file, config, model))
 }
 
+/// The text of `--chat-template-file`, checked to render a one-message chat (so a broken
+/// template is refused at start, not on every request).
+pub fn read_chat_template(path: Option<&Path>) -> Result<Option<String>> {
+    let Some(path) = path else { return Ok(None) };
+    let template = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the chat template {}", path.display()))?;
+    chat::render(&template, &[ChatMessage::new("user", "Hi")], true, "", "")
+        .with_context(|| format!("the chat template {} does not render", path.display()))?;
+    Ok(Some(template))
+}
+
 struct InferJob(InferArgs);
 
 impl BackendJob for InferJob {
@@ -110,10 +124,13 @@ impl BackendJob for InferJob {
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
         let args = self.0;
         let (file, _config, model) = load_any_model::<B>(&args.model, &device)?;
-        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let mut tokenizer = Tokenizer::from_gguf(&file)?;
+        if let Some(template) = read_chat_template(args.chat_template_file.as_deref())? {
+            tokenizer.set_chat_template(template);
+        }
         let prompt_text = if args.chat {
             let template = tokenizer.chat_template().context(
-                "this model has no chat template (tokenizer.chat_template); run without --chat",
+                "this model has no chat template (tokenizer.chat_template); run without --chat, or give one with --chat-template-file",
             )?;
             let mut messages = Vec::new();
             if let Some(system) = &args.system {

@@ -56,6 +56,10 @@ pub struct ServeArgs {
     /// Where --events creates its run directory.
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
+    /// A Jinja chat template to use instead of the model's `tokenizer.chat_template` (for a
+    /// model that has none, or to fix one), as llama-server's --chat-template-file.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template_file: Option<PathBuf>,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are failed.
     #[arg(long, default_value_t = 10.0)]
     pub shutdown_grace: f64,
@@ -68,6 +72,7 @@ impl BackendJob for ServeJob {
 
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
         let (a, backend) = (self.0, self.1);
+        let chat_template = crate::infer::read_chat_template(a.chat_template_file.as_deref())?;
         let options = ServeOptions {
             model: a.model,
             model_id: a.model_id,
@@ -81,6 +86,7 @@ impl BackendJob for ServeJob {
             events_dir: a.events.then_some(a.runs_dir),
             shutdown_grace: Duration::from_secs_f64(a.shutdown_grace.clamp(0.0, 3600.0)),
             backend: backend.name().to_string(),
+            chat_template,
         };
         toy_serve::serve::<B>(options, device)?;
         Ok(())

@@ -33,10 +33,13 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
-        let model = smollm2("Q8_0");
+        Server::start_model(&smollm2("Q8_0"), extra)
+    }
+
+    fn start_model(model: &Path, extra: &[&str]) -> Server {
         let mut child = common::toy_command()
             .arg("serve")
-            .arg(&model)
+            .arg(model)
             .args(["--port", "0", "--api-key", KEY])
             .args(extra)
             .stdout(Stdio::piped())
@@ -135,19 +138,26 @@ fn run_python(script: &str, args: &[&str]) -> serde_json::Value {
 
 /// What `toy infer --chat` answers greedily.
 fn infer_chat(prompt: &str, n: usize) -> String {
-    let model = smollm2("Q8_0");
-    let out = toy(&[
+    infer_chat_with(&smollm2("Q8_0"), &[], prompt, n)
+}
+
+/// What `toy infer --chat` answers greedily on `model`, with `extra` options.
+fn infer_chat_with(model: &Path, extra: &[&str], prompt: &str, n: usize) -> String {
+    let n = n.to_string();
+    let mut args = vec![
         "infer",
         model.to_str().unwrap(),
         "--chat",
         "-p",
         prompt,
         "-n",
-        &n.to_string(),
+        &n,
         "--temperature",
         "0",
         "--json",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let out = toy(&args);
     assert!(
         out.status.success(),
         "{}",
@@ -279,6 +289,32 @@ fn openai_client_end_to_end_and_greedy_chat_equals_infer() {
         "the unknown-model request is logged"
     );
     let _ = std::fs::remove_dir_all(&runs);
+}
+
+/// Every family serves: a tiny gemma3 (Q8_0) and a tiny GPT-2, neither with a chat template of
+/// its own, given one with `--chat-template-file` (`fixtures/chat/`), pass the OpenAI-client
+/// suite, and their greedy chat equals `toy infer --chat` with the same template.
+#[test]
+fn openai_client_on_gemma3_and_gpt2() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    for (model, template) in [
+        ("tiny-gemma3-q8_0", "gemma3.jinja"),
+        ("tiny-gpt2", "plain.jinja"),
+    ] {
+        let model = root().join(format!("fixtures/models/{model}.gguf"));
+        let template = root().join("fixtures/chat").join(template);
+        let extra = ["--chat-template-file", template.to_str().unwrap()];
+        let mut server = Server::start_model(&model, &extra);
+        let out = run_python("openai_e2e.py", &[&server.url, KEY, PROMPT, &N.to_string()]);
+        assert_eq!(
+            out["greedy_chat"].as_str().unwrap(),
+            infer_chat_with(&model, &extra, PROMPT, N),
+            "{}: greedy chat through the server differs from toy infer --chat",
+            model.display()
+        );
+        let status = server.terminate(Duration::from_secs(30));
+        assert!(status.success(), "toy serve exited with {status}");
+    }
 }
 
 #[test]
@@ -434,6 +470,28 @@ fn serve_refuses_bad_options_with_a_message() {
     let out = toy(&["serve", "/nonexistent.gguf", "--port", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.gguf"));
+    // A chat template that is missing, or does not render, is refused before the server starts.
+    let broken = tempdir("template").join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}{{ m.content }").unwrap();
+    for (file, says) in [
+        (
+            "/nonexistent.jinja",
+            "cannot read the chat template /nonexistent.jinja",
+        ),
+        (broken.to_str().unwrap(), "does not render"),
+    ] {
+        let out = toy(&[
+            "serve",
+            model.to_str().unwrap(),
+            "--port",
+            "0",
+            "--chat-template-file",
+            file,
+        ]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{err}");
+    }
     let help = toy(&["serve", "--help"]);
     let help = String::from_utf8_lossy(&help.stdout);
     for flag in [

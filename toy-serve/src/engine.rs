@@ -164,6 +164,8 @@ pub struct EngineConfig {
     /// `--ctx` (None: the model's context length).
     pub ctx: Option<usize>,
     pub max_concurrency: usize,
+    /// `--chat-template-file`: replaces the model's chat template.
+    pub chat_template: Option<String>,
 }
 
 /// The engine thread's body: load the model (reporting the outcome on `ready`), then serve jobs
@@ -204,8 +206,11 @@ fn load<B: ToyBackend>(
 ) -> Result<(ModelInfo, Model<B>), String> {
     let path = &config.model_path;
     let file = GgufFile::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(&file)
+    let mut tokenizer = Tokenizer::from_gguf(&file)
         .map_err(|e| format!("cannot build the tokenizer of {}: {e}", path.display()))?;
+    if let Some(template) = &config.chat_template {
+        tokenizer.set_chat_template(template.clone());
+    }
     let (model_config, model) = toy_models::load_model::<B>(&file, device, |_, _| {})
         .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
     let model_context = model.context_length();

@@ -49,6 +49,8 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// `cpu`, `ndarray`, … (reported in `system_fingerprint` and events).
     pub backend: String,
+    /// A Jinja chat template used instead of the model's `tokenizer.chat_template`.
+    pub chat_template: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -124,6 +126,7 @@ pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<
         model_id,
         ctx: options.ctx,
         max_concurrency: options.max_concurrency,
+        chat_template: options.chat_template.clone(),
     };
     let engine_shared = shared.clone();
     let engine = std::thread::Builder::new()

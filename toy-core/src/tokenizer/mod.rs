@@ -185,9 +185,16 @@ impl Tokenizer {
         ids
     }
 
-    /// `tokenizer.chat_template`, if the file has one.
+    /// `tokenizer.chat_template`, if the file has one (or the one set by
+    /// [`Self::set_chat_template`]).
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
+    }
+
+    /// Use `template` as the chat template instead of the file's (`--chat-template-file`: a
+    /// model without one, or a fixed one).
+    pub fn set_chat_template(&mut self, template: String) {
+        self.chat_template = Some(template);
     }
 
     /// A token's text as stored in the GGUF (`""` for an id outside the vocabulary).

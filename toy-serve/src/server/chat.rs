@@ -108,7 +108,7 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
         let template = info.tokenizer.chat_template().ok_or_else(|| {
             ApiError::invalid(
                 Some("messages"),
-                "this model has no chat template (tokenizer.chat_template): use /v1/completions",
+                "this model has no chat template (tokenizer.chat_template): use /v1/completions, or start toy serve with --chat-template-file",
             )
         })?;
         let prompt_text = chat::render(
