@@ -181,7 +181,8 @@ const FIXED_TENSORS: [&str; 3] = [
 /// `toy train --recipe full --base` writes for every llama-family base (qwen2, qwen3, gemma2/3,
 /// phi3, smollm3, granite, llama): every metadata key of `base` (its architecture's
 /// hyperparameters, RoPE scaling, sliding-window pattern, tokenizer) in file order, `extra`'s
-/// keys replacing or adding theirs, `general.file_type` = ALL_F32; then the model's tensors
+/// keys replacing or adding theirs, `general.file_type` = ALL_F32 when every weight is dense;
+/// then the model's tensors
 /// under the names llama.cpp's loader of that architecture reads (Q/K/V biases, Q/K norms,
 /// post-norms; phi3's Q/K/V and gate/up fused again into `attn_qkv` and `ffn_up`), and the
 /// base's RoPE factor tensors, which the model uses but does not train.
@@ -210,7 +211,19 @@ pub fn to_gguf_like_base<B: ToyBackend>(
         }
         w.set(key.clone(), value.clone())?;
     }
-    w.set("general.file_type", Value::U32(0))?;
+    // ALL_F32 when every weight is dense (a full fine-tune); packed weights keep their type and
+    // the base's file type with them.
+    let packed = matches!(model.token_embd, TokenEmbedding::Packed(_))
+        || model.output.packed_type().is_some()
+        || model.blocks.iter().any(|b| {
+            [&b.attn.wq, &b.attn.wk, &b.attn.wv, &b.attn.wo]
+                .iter()
+                .any(|l| l.packed_type().is_some())
+                || matches!(&b.ffn, Ffn::Dense(m) if [&m.gate, &m.up, &m.down].iter().any(|l| l.packed_type().is_some()))
+        });
+    if !packed {
+        w.set("general.file_type", Value::U32(0))?;
+    }
 
     let c = config;
     let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);

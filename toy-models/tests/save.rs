@@ -130,3 +130,89 @@ fn save_refuses_what_llama_gguf_cannot_express() {
     }
     assert!(!temp_path("never2.gguf").exists());
 }
+
+/// A model of any llama-family architecture but olmoe, saved in its base's architecture
+/// (`save_like_base`, what a full fine-tune writes), is the base again: the same architecture,
+/// metadata and tensor names and dims, and the same logits to the bit (packed weights are
+/// written in their own type; phi3's split Q/K/V and gate/up are fused again). An untied head
+/// adds `output.weight` and still loads to the same logits. olmoe is refused.
+#[test]
+fn every_family_saves_in_its_base_architecture() {
+    let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models");
+    let device = Default::default();
+    for name in [
+        "tiny-qwen2",
+        "tiny-qwen2-yarn",
+        "tiny-qwen3",
+        "tiny-llama3",
+        "tiny-mistral",
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-gemma3-q8_0",
+        "tiny-phi3",
+        "tiny-phi3-q8_0",
+        "tiny-smollm3",
+        "tiny-granite",
+    ] {
+        let base = GgufFile::open(models.join(format!("{name}.gguf"))).unwrap();
+        let (config, model) = load::<Flex>(&base, &device, |_, _| {}).unwrap();
+        let config = LlamaConfig::from_model_config(&config);
+        let extra = [("general.name".to_string(), Value::String("saved".into()))];
+        let path = temp_path(&format!("{name}-like-base.gguf"));
+        toy_models::save_like_base(&model, &config, &base, &extra, &path).unwrap();
+        let saved = GgufFile::open(&path).unwrap();
+        assert_eq!(saved.architecture().unwrap(), base.architecture().unwrap());
+        assert_eq!(saved.get_str("general.name").unwrap(), Some("saved"));
+        for (key, value) in &base.metadata {
+            if !matches!(key.as_str(), "general.name" | "general.file_type") {
+                assert_eq!(saved.get(key), Some(value), "{name}: {key}");
+            }
+        }
+        let names = |f: &GgufFile| {
+            let mut v: Vec<_> = f
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.dims.clone()))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&saved), names(&base), "{name}: the same tensors");
+        let (_, loaded) = load::<Flex>(&saved, &device, |_, _| {}).unwrap();
+        let ids: Vec<i64> = (0..12)
+            .map(|i| (i * 29 + 3) % config.vocab_size as i64)
+            .collect();
+        assert!(
+            logits(&model, &ids) == logits(&loaded, &ids),
+            "{name}: logits changed"
+        );
+    }
+
+    // Untied: the head as its own tensor.
+    let base = GgufFile::open(models.join("tiny-gemma3.gguf")).unwrap();
+    let (c, mut model) = load::<Flex>(&base, &device, |_, _| {}).unwrap();
+    model.output = model.output.dequantized();
+    let config = LlamaConfig::from_model_config(&c).with_tied_embeddings(false);
+    let path = temp_path("gemma3-untied.gguf");
+    toy_models::save_like_base(&model, &config, &base, &[], &path).unwrap();
+    let saved = GgufFile::open(&path).unwrap();
+    assert!(saved.tensor("output.weight").is_some());
+    let (_, loaded) = load::<Flex>(&saved, &device, |_, _| {}).unwrap();
+    let ids = [1i64, 7, 40, 99];
+    assert!(
+        logits(&model, &ids) == logits(&loaded, &ids),
+        "untied gemma3: logits changed"
+    );
+
+    let olmoe = GgufFile::open(models.join("tiny-olmoe.gguf")).unwrap();
+    let (c, model) = load::<Flex>(&olmoe, &device, |_, _| {}).unwrap();
+    let err = toy_models::save_like_base(
+        &model,
+        &LlamaConfig::from_model_config(&c),
+        &olmoe,
+        &[],
+        temp_path("olmoe.gguf"),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+}
