@@ -838,42 +838,68 @@ impl<B: ToyBackend> Moe<B> {
         let x = x.reshape([n, d]);
         let device = x.device();
         // Routing on the host: softmax over the experts, the k most probable (ties: lower id).
-        let probs = activation::softmax(self.router.forward(x.clone()), 1)
+        // The weights themselves are taken from the device tensor (below), so a backward pass
+        // reaches the router and, through it, the layers before (LoRA on the attention).
+        let probs_t = activation::softmax(self.router.forward(x.clone()), 1);
+        let probs = probs_t
+            .clone()
             .into_data()
             .convert::<f32>()
             .into_vec::<f32>()
             .expect("router probabilities read back as f32");
+        let flat = probs_t.reshape([n * n_expert]);
+        let pick = |idx: Vec<i64>| {
+            let m = idx.len();
+            flat.clone().select(
+                0,
+                Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [m]), &device),
+            )
+        };
         // Slot `token * k + rank` holds the rank-th chosen expert of a token and its weight.
         let mut slots = Vec::with_capacity(n * k);
         for row in probs.chunks(n_expert) {
             let mut order: Vec<usize> = (0..n_expert).collect();
             order.sort_by(|&i, &j| row[j].total_cmp(&row[i]).then(i.cmp(&j)));
-            let chosen = &order[..k];
-            let sum: f32 = chosen.iter().map(|&e| row[e]).sum();
-            for &e in chosen {
-                let w = if self.norm_weights {
-                    row[e] / sum.max(6.103_515_6e-5)
-                } else {
-                    row[e]
-                };
-                slots.push((e, w));
-            }
+            slots.extend_from_slice(&order[..k]);
         }
+        // Renormalizing: each token's sum over its chosen experts, added in rank order (as
+        // llama.cpp sums them; the same bits as a host sum), clamped as ggml clamps it.
+        let norm = self.norm_weights.then(|| {
+            let rank = |r: usize| {
+                pick(
+                    (0..n)
+                        .map(|i| (i * n_expert + slots[i * k + r]) as i64)
+                        .collect(),
+                )
+            };
+            let mut sum = rank(0);
+            for r in 1..k {
+                sum = sum + rank(r);
+            }
+            sum.clamp_min(6.103_515_6e-5)
+        });
         // Each expert runs once on the tokens routed to it; outputs are weighted, put back in
         // slot order and summed over the ranks in order (as llama.cpp adds them).
         let mut outputs = Vec::new();
         let mut position = vec![0i64; n * k];
         let mut next = 0;
         for (e, expert) in self.experts.iter().enumerate() {
-            let mine: Vec<usize> = (0..n * k).filter(|&s| slots[s].0 == e).collect();
+            let mine: Vec<usize> = (0..n * k).filter(|&s| slots[s] == e).collect();
             if mine.is_empty() {
                 continue;
             }
             let m = mine.len();
             let rows: Vec<i64> = mine.iter().map(|&s| (s / k) as i64).collect();
-            let weights: Vec<f32> = mine.iter().map(|&s| slots[s].1).collect();
+            let mut weights = pick(
+                rows.iter()
+                    .map(|&i| i * n_expert as i64 + e as i64)
+                    .collect(),
+            );
             let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [m]), &device);
-            let weights = Tensor::<B, 2>::from_data(TensorData::new(weights, [m, 1]), &device);
+            if let Some(sum) = &norm {
+                weights = weights / sum.clone().select(0, rows.clone());
+            }
+            let weights = weights.reshape([m, 1]);
             outputs.push(expert.forward(x.clone().select(0, rows), None) * weights);
             for s in mine {
                 position[s] = next;

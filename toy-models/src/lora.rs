@@ -219,7 +219,9 @@ pub struct LoraSpec {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoraError {
-    #[error("LoRA on a mixture-of-experts model is not supported")]
+    #[error(
+        "LoRA on the MLP of a mixture-of-experts model is not supported: target the attention (q,k,v,o)"
+    )]
     Moe,
     #[error("LoRA rank must be positive")]
     ZeroRank,
@@ -270,9 +272,6 @@ pub fn new_adapters<B: Backend>(
 ) -> Result<LoraAdapters<B>, LoraError> {
     if spec.rank == 0 {
         return Err(LoraError::ZeroRank);
-    }
-    if model.blocks.iter().any(|b| matches!(b.ffn, Ffn::Moe(_))) {
-        return Err(LoraError::Moe);
     }
     let device = model.output_norm.gamma.device();
     let scale = spec.alpha / spec.rank as f32;

@@ -94,6 +94,11 @@ pub fn start_model<B: ToyBackend>(
         .map_err(|e| TrainError::Config(format!("cannot load the base model: {e}")))?;
     match &config.recipe {
         Recipe::Full { .. } => {
+            if model.blocks.iter().any(|b| matches!(b.ffn, Ffn::Moe(_))) {
+                return Err(TrainError::Config(
+                    "a full fine-tune of a mixture-of-experts base is not supported (its experts and saving them are not); use --recipe lora on the attention (q,k,v,o)".into(),
+                ));
+            }
             // Every weight trains, the embedding too: a packed table becomes an f32 one.
             let mut model = dequantize(model)?;
             model.token_embd = model.token_embd.dequantized();
@@ -156,15 +161,11 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
 }
 
 /// Replace every packed projection (and a packed output head) with its f32 weight
-/// ([`QLinear::dequantized`]: llama.cpp's dequantization, exact in f32).
+/// ([`QLinear::dequantized`]: llama.cpp's dequantization, exact in f32). A mixture of experts
+/// keeps its experts as they are (frozen under LoRA, which adapts only its attention).
 pub fn dequantize<B: ToyBackend>(mut model: Transformer<B>) -> Result<Transformer<B>, TrainError> {
     model.output = model.output.dequantized();
     for block in &mut model.blocks {
-        if matches!(block.ffn, Ffn::Moe(_)) {
-            return Err(TrainError::Config(
-                "fine-tuning a mixture-of-experts base is not supported".into(),
-            ));
-        }
         for t in Target::ALL {
             if let Some(w) = projection_mut(block, t) {
                 *w = w.dequantized();
