@@ -855,7 +855,7 @@ impl<B: ToyBackend> Moe<B> {
                 Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [m]), &device),
             )
         };
-        // Slot `token * k + rank` holds the rank-th chosen expert of a token and its weight.
+        // Slot `token * k + rank` holds the rank-th chosen expert of a token.
         let mut slots = Vec::with_capacity(n * k);
         for row in probs.chunks(n_expert) {
             let mut order: Vec<usize> = (0..n_expert).collect();
