@@ -134,27 +134,7 @@ pub fn to_gguf<B: ToyBackend>(
     w.set("llama.rope.freq_base", Value::F32(c.rope_theta))?;
     end_metadata(&mut w, extra)?;
 
-    let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-    add_embedding(&mut w, &model.token_embd, &[c.vocab_size, d])?;
-    add(&mut w, "output_norm.weight", &model.output_norm.gamma, &[d])?;
-    if !c.tied_embeddings {
-        add_linear(&mut w, "output.weight", &model.output, &[c.vocab_size, d])?;
-    }
-    for (i, b) in model.blocks.iter().enumerate() {
-        let name = |t: &str| format!("blk.{i}.{t}.weight");
-        let Ffn::Dense(mlp) = &b.ffn else {
-            return Err(SaveError::Architecture("a mixture-of-experts MLP (olmoe)"));
-        };
-        add(&mut w, &name("attn_norm"), &b.attn_norm.gamma, &[d])?;
-        add_linear(&mut w, &name("attn_q"), &b.attn.wq, &[qdim, d])?;
-        add_linear(&mut w, &name("attn_k"), &b.attn.wk, &[kvdim, d])?;
-        add_linear(&mut w, &name("attn_v"), &b.attn.wv, &[kvdim, d])?;
-        add_linear(&mut w, &name("attn_output"), &b.attn.wo, &[d, qdim])?;
-        add(&mut w, &name("ffn_norm"), &b.ffn_norm.gamma, &[d])?;
-        add_linear(&mut w, &name("ffn_gate"), &mlp.gate, &[c.d_ff, d])?;
-        add_linear(&mut w, &name("ffn_up"), &mlp.up, &[c.d_ff, d])?;
-        add_linear(&mut w, &name("ffn_down"), &mlp.down, &[d, c.d_ff])?;
-    }
+    add_transformer_tensors(&mut w, model, c, false, false)?;
     Ok(w)
 }
 
@@ -200,7 +180,7 @@ pub fn to_gguf_like_base<B: ToyBackend>(
     let base_config = ModelConfig::from_gguf(base)?;
     if config.n_expert > 0 {
         return Err(SaveError::Unsupported(
-            "a mixture-of-experts model (olmoe): its experts are not trained",
+            "a mixture-of-experts model (olmoe): saving its experts is not supported",
         ));
     }
     let mut w = GgufWriter::from_file(base);
@@ -211,73 +191,13 @@ pub fn to_gguf_like_base<B: ToyBackend>(
         }
         w.set(key.clone(), value.clone())?;
     }
-    // ALL_F32 when every weight is dense (a full fine-tune); packed weights keep their type and
-    // the base's file type with them.
-    let packed = matches!(model.token_embd, TokenEmbedding::Packed(_))
-        || model.output.packed_type().is_some()
-        || model.blocks.iter().any(|b| {
-            [&b.attn.wq, &b.attn.wk, &b.attn.wv, &b.attn.wo]
-                .iter()
-                .any(|l| l.packed_type().is_some())
-                || matches!(&b.ffn, Ffn::Dense(m) if [&m.gate, &m.up, &m.down].iter().any(|l| l.packed_type().is_some()))
-        });
-    if !packed {
-        w.set("general.file_type", Value::U32(0))?;
-    }
-
-    let c = config;
-    let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-    add_embedding(&mut w, &model.token_embd, &[c.vocab_size, d])?;
-    add(&mut w, "output_norm.weight", &model.output_norm.gamma, &[d])?;
-    if !c.tied_embeddings {
-        add_linear(&mut w, "output.weight", &model.output, &[c.vocab_size, d])?;
-    }
-    for (i, b) in model.blocks.iter().enumerate() {
-        let name = |t: &str| format!("blk.{i}.{t}.weight");
-        let Ffn::Dense(mlp) = &b.ffn else {
-            return Err(SaveError::Unsupported(
-                "a mixture-of-experts model (olmoe): its experts are not trained",
-            ));
-        };
-        let a = &b.attn;
-        add(&mut w, &name("attn_norm"), &b.attn_norm.gamma, &[d])?;
-        if base_config.fused_qkv {
-            let parts = [(&a.wq, qdim), (&a.wk, kvdim), (&a.wv, kvdim)];
-            add_fused(&mut w, &name("attn_qkv"), &parts, d)?;
-        } else {
-            add_linear(&mut w, &name("attn_q"), &a.wq, &[qdim, d])?;
-            add_linear(&mut w, &name("attn_k"), &a.wk, &[kvdim, d])?;
-            add_linear(&mut w, &name("attn_v"), &a.wv, &[kvdim, d])?;
-        }
-        for (t, bias, n) in [("q", &a.bq, qdim), ("k", &a.bk, kvdim), ("v", &a.bv, kvdim)] {
-            if let Some(bias) = bias {
-                add(&mut w, &format!("blk.{i}.attn_{t}.bias"), bias, &[n])?;
-            }
-        }
-        let norm_width = |n: usize| if c.qk_norm { c.head_dim } else { n };
-        if let Some(q) = &a.q_norm {
-            add(&mut w, &name("attn_q_norm"), &q.gamma, &[norm_width(qdim)])?;
-        }
-        if let Some(k) = &a.k_norm {
-            add(&mut w, &name("attn_k_norm"), &k.gamma, &[norm_width(kvdim)])?;
-        }
-        add_linear(&mut w, &name("attn_output"), &a.wo, &[d, qdim])?;
-        if let Some(n) = &b.post_attn_norm {
-            add(&mut w, &name("post_attention_norm"), &n.gamma, &[d])?;
-        }
-        add(&mut w, &name("ffn_norm"), &b.ffn_norm.gamma, &[d])?;
-        if base_config.fused_gate_up {
-            let parts = [(&mlp.gate, c.d_ff), (&mlp.up, c.d_ff)];
-            add_fused(&mut w, &name("ffn_up"), &parts, d)?;
-        } else {
-            add_linear(&mut w, &name("ffn_gate"), &mlp.gate, &[c.d_ff, d])?;
-            add_linear(&mut w, &name("ffn_up"), &mlp.up, &[c.d_ff, d])?;
-        }
-        add_linear(&mut w, &name("ffn_down"), &mlp.down, &[d, c.d_ff])?;
-        if let Some(n) = &b.post_ffn_norm {
-            add(&mut w, &name("post_ffw_norm"), &n.gamma, &[d])?;
-        }
-    }
+    add_transformer_tensors(
+        &mut w,
+        model,
+        config,
+        base_config.fused_qkv,
+        base_config.fused_gate_up,
+    )?;
     for info in &base.tensors {
         if w.has_tensor(&info.name) {
             continue;
@@ -291,7 +211,78 @@ pub fn to_gguf_like_base<B: ToyBackend>(
             .collect();
         w.add_tensor(info.name.clone(), &info.dims, GgmlType::F32, bytes)?;
     }
+    // ALL_F32 when every tensor is (a full fine-tune); packed weights keep their type and the
+    // base's file type with them.
+    if w.tensor_types().all(|t| t == GgmlType::F32) {
+        w.set("general.file_type", Value::U32(0))?;
+    }
     Ok(w)
+}
+
+/// Add `model`'s tensors under llama.cpp's names: embedding, output norm and head (when untied),
+/// then per block the norms, projections (Q/K/V and gate/up fused into one tensor each when
+/// `fused_qkv` / `fused_gate_up`, as phi3 stores them), the biases, Q/K norms and post-norms the
+/// model has. A mixture-of-experts block is refused.
+fn add_transformer_tensors<B: ToyBackend>(
+    w: &mut GgufWriter<'static>,
+    model: &Transformer<B>,
+    c: &LlamaConfig,
+    fused_qkv: bool,
+    fused_gate_up: bool,
+) -> Result<(), SaveError> {
+    let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
+    add_embedding(w, &model.token_embd, &[c.vocab_size, d])?;
+    add(w, "output_norm.weight", &model.output_norm.gamma, &[d])?;
+    if !c.tied_embeddings {
+        add_linear(w, "output.weight", &model.output, &[c.vocab_size, d])?;
+    }
+    for (i, b) in model.blocks.iter().enumerate() {
+        let name = |t: &str| format!("blk.{i}.{t}.weight");
+        let Ffn::Dense(mlp) = &b.ffn else {
+            return Err(SaveError::Unsupported(
+                "a mixture-of-experts model (olmoe): saving its experts is not supported",
+            ));
+        };
+        let a = &b.attn;
+        add(w, &name("attn_norm"), &b.attn_norm.gamma, &[d])?;
+        if fused_qkv {
+            let parts = [(&a.wq, qdim), (&a.wk, kvdim), (&a.wv, kvdim)];
+            add_fused(w, &name("attn_qkv"), &parts, d)?;
+        } else {
+            add_linear(w, &name("attn_q"), &a.wq, &[qdim, d])?;
+            add_linear(w, &name("attn_k"), &a.wk, &[kvdim, d])?;
+            add_linear(w, &name("attn_v"), &a.wv, &[kvdim, d])?;
+        }
+        for (t, bias, n) in [("q", &a.bq, qdim), ("k", &a.bk, kvdim), ("v", &a.bv, kvdim)] {
+            if let Some(bias) = bias {
+                add(w, &format!("blk.{i}.attn_{t}.bias"), bias, &[n])?;
+            }
+        }
+        let norm_width = |n: usize| if c.qk_norm { c.head_dim } else { n };
+        if let Some(q) = &a.q_norm {
+            add(w, &name("attn_q_norm"), &q.gamma, &[norm_width(qdim)])?;
+        }
+        if let Some(k) = &a.k_norm {
+            add(w, &name("attn_k_norm"), &k.gamma, &[norm_width(kvdim)])?;
+        }
+        add_linear(w, &name("attn_output"), &a.wo, &[d, qdim])?;
+        if let Some(n) = &b.post_attn_norm {
+            add(w, &name("post_attention_norm"), &n.gamma, &[d])?;
+        }
+        add(w, &name("ffn_norm"), &b.ffn_norm.gamma, &[d])?;
+        if fused_gate_up {
+            let parts = [(&mlp.gate, c.d_ff), (&mlp.up, c.d_ff)];
+            add_fused(w, &name("ffn_up"), &parts, d)?;
+        } else {
+            add_linear(w, &name("ffn_gate"), &mlp.gate, &[c.d_ff, d])?;
+            add_linear(w, &name("ffn_up"), &mlp.up, &[c.d_ff, d])?;
+        }
+        add_linear(w, &name("ffn_down"), &mlp.down, &[d, c.d_ff])?;
+        if let Some(n) = &b.post_ffn_norm {
+            add(w, &name("post_ffw_norm"), &n.gamma, &[d])?;
+        }
+    }
+    Ok(())
 }
 
 /// Write `model` in `base`'s architecture to `path`, atomically (see [`to_gguf_like_base`]).

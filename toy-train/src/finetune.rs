@@ -100,13 +100,13 @@ pub fn start_model<B: ToyBackend>(
                 ));
             }
             // Every weight trains, the embedding too: a packed table becomes an f32 one.
-            let mut model = dequantize(model)?;
+            let mut model = dequantize(model);
             model.token_embd = model.token_embd.dequantized();
             Ok(model)
         }
         Recipe::Lora { adapter, .. } | Recipe::Qlora { adapter, .. } => {
             let model = match config.recipe {
-                Recipe::Lora { .. } => dequantize(model)?,
+                Recipe::Lora { .. } => dequantize(model),
                 _ => model,
             };
             let model = model.map(&mut Freeze);
@@ -163,7 +163,7 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
 /// Replace every packed projection (and a packed output head) with its f32 weight
 /// ([`QLinear::dequantized`]: llama.cpp's dequantization, exact in f32). A mixture of experts
 /// keeps its experts as they are (frozen under LoRA, which adapts only its attention).
-pub fn dequantize<B: ToyBackend>(mut model: Transformer<B>) -> Result<Transformer<B>, TrainError> {
+pub fn dequantize<B: ToyBackend>(mut model: Transformer<B>) -> Transformer<B> {
     model.output = model.output.dequantized();
     for block in &mut model.blocks {
         for t in Target::ALL {
@@ -172,5 +172,5 @@ pub fn dequantize<B: ToyBackend>(mut model: Transformer<B>) -> Result<Transforme
             }
         }
     }
-    Ok(model)
+    model
 }

@@ -182,6 +182,11 @@ impl<'a> GgufWriter<'a> {
         self.tensors.len()
     }
 
+    /// The types of the tensors added so far, in order.
+    pub fn tensor_types(&self) -> impl Iterator<Item = GgmlType> + '_ {
+        self.tensors.iter().map(|t| t.ggml_type)
+    }
+
     /// Whether a tensor of this name has been added.
     pub fn has_tensor(&self, name: &str) -> bool {
         self.tensors.iter().any(|t| t.name == name)
