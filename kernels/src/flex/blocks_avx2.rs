@@ -733,10 +733,14 @@ pub(super) enum Repacked8<'a> {
 /// Eight outputs of `dot_repacked_32` — weight rows `0..8` against one activation row — as
 /// llama.cpp's `gemv_q4_0_8x8` / `gemv_iq4_nl_8x8` compute them: each row's exact block sums,
 /// then one 8-wide fused multiply-add per block for all eight rows (the same bits per output as
-/// eight `dot_repacked_32` calls, whose scalar FMA chain was the bottleneck). The rows are read
-/// one after another, each in memory order, a chunk of blocks at a time: interleaving eight
-/// short rows defeats the hardware prefetcher. (The closures are written here, inside the
-/// `target_feature` function, so that the SIMD helpers they call are inlined.)
+/// eight `dot_repacked_32` calls). The integer work runs on two blocks per 256-bit vector (the
+/// low nibbles of blocks `b` and `b + 1` in one register, against the activations rearranged
+/// once per call to match), so the eight rows' block sums of a pair of blocks come out of one
+/// `hadd` tree; Q4_0's nibbles multiply unsigned and `8 · Σx` is subtracted from each block sum
+/// (exact in i32) instead of re-signing every weight. The rows are read one after another, each
+/// in memory order, a chunk of blocks at a time: interleaving eight short rows defeats the
+/// hardware prefetcher. (The closures are written here, inside the `target_feature` function,
+/// so that the SIMD helpers they call are inlined.)
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot8_repacked_32(nb: usize, x: &QuantRow, w: Repacked8<'_>) -> [f32; 8] {
     assert!(x.quants.len() >= BLOCK * nb && x.scales.len() >= nb);
@@ -745,101 +749,191 @@ pub(super) fn dot8_repacked_32(nb: usize, x: &QuantRow, w: Repacked8<'_>) -> [f3
             for r in 0..8 {
                 assert!(quants[r].len() >= 16 * nb && scales[r].len() >= nb);
             }
-            dot8_blocks(
+            dot8_pairs::<false>(
                 nb,
                 x,
-                |r, b| q4_0_values(&quants[r][16 * b..]),
-                |r, b| scales[r][b],
+                |r, b, both| {
+                    if both {
+                        load256(&quants[r][16 * b..])
+                    } else {
+                        _mm256_set_m128i(_mm_setzero_si128(), load128(&quants[r][16 * b..]))
+                    }
+                },
+                |b| {
+                    _mm256_setr_ps(
+                        scales[0][b],
+                        scales[1][b],
+                        scales[2][b],
+                        scales[3][b],
+                        scales[4][b],
+                        scales[5][b],
+                        scales[6][b],
+                        scales[7][b],
+                    )
+                },
             )
         }
         Repacked8::Iq4Nl(blocks) => {
             for row in &blocks {
                 assert!(row.len() >= 18 * nb);
             }
-            dot8_blocks(
+            let half =
+                |r: usize, b: usize| i16::from_le_bytes([blocks[r][18 * b], blocks[r][18 * b + 1]]);
+            dot8_pairs::<true>(
                 nb,
                 x,
-                |r, b| iq4_values(&blocks[r][18 * b + 2..]),
-                |r, b| f16c_at(blocks[r], 18 * b),
+                |r, b, both| {
+                    let lo = load128(&blocks[r][18 * b + 2..]);
+                    let hi = if both {
+                        load128(&blocks[r][18 * b + 20..])
+                    } else {
+                        _mm_setzero_si128()
+                    };
+                    _mm256_set_m128i(hi, lo)
+                },
+                |b| {
+                    _mm256_cvtph_ps(_mm_setr_epi16(
+                        half(0, b),
+                        half(1, b),
+                        half(2, b),
+                        half(3, b),
+                        half(4, b),
+                        half(5, b),
+                        half(6, b),
+                        half(7, b),
+                    ))
+                },
             )
         }
     }
 }
 
+/// The kernel of `dot8_repacked_32`. `nibbles(r, b, both)`: row `r`'s 16 bytes of nibbles of
+/// block `b` in the low 128 bits and, when `both`, block `b + 1`'s in the high ones (zeros
+/// otherwise); `dw(b)`: the eight rows' scales of block `b`. `IQ4`: the nibbles index IQ4_NL's
+/// grid; otherwise they are Q4_0's `q` with value `q − 8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot8_blocks(
+fn dot8_pairs<const IQ4: bool>(
     nb: usize,
     x: &QuantRow,
-    values: impl Fn(usize, usize) -> __m256i,
-    dw: impl Fn(usize, usize) -> f32,
+    nibbles: impl Fn(usize, usize, bool) -> __m256i,
+    dw: impl Fn(usize) -> __m256,
 ) -> [f32; 8] {
+    // Blocks per chunk (even): 16 pairs of per-row lanes, 4 KiB of scratch.
     const CHUNK: usize = 32;
+    const PAIRS: usize = CHUNK / 2;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: IQ4_GRID holds 16 bytes.
+    let grid = _mm256_broadcastsi128_si256(unsafe {
+        _mm_loadu_si128(IQ4_GRID.as_ptr() as *const __m128i)
+    });
     let mut acc = _mm256_setzero_ps();
-    // Per block of the chunk, each row's eight i32 partial sums. Left uninitialized: zeroing
-    // 8 KiB per call cost a third of the kernel's time on SmolLM2's 18-block rows.
-    let mut lanes = [[std::mem::MaybeUninit::<__m256i>::uninit(); 8]; CHUNK];
+    // Per pair of the chunk, each row's eight i32 partial sums (four per block). Left
+    // uninitialized: zeroing the scratch per call was a third of the kernel's time.
+    let mut lanes = [[std::mem::MaybeUninit::<__m256i>::uninit(); 8]; PAIRS];
+    // Per pair, the activations matching the nibble registers: values 0..16 of both blocks,
+    // then values 16..32 of both.
+    let mut xs = [(_mm256_setzero_si256(), _mm256_setzero_si256()); PAIRS];
+    let mut sum_x = [0i32; CHUNK];
     for b0 in (0..nb).step_by(CHUNK) {
         let b1 = (b0 + CHUNK).min(nb);
-        for r in 0..8 {
-            for b in b0..b1 {
-                let v = signed_lanes(values(r, b), load_q8(&x.quants[BLOCK * b..]));
-                lanes[b - b0][r].write(v);
+        let pairs = (b1 - b0).div_ceil(2);
+        for p in 0..pairs {
+            let b = b0 + 2 * p;
+            let xb = load_q8(&x.quants[BLOCK * b..]);
+            let xn = if b + 1 < b1 {
+                load_q8(&x.quants[BLOCK * (b + 1)..])
+            } else {
+                _mm256_setzero_si256()
+            };
+            xs[p] = (
+                _mm256_permute2x128_si256(xb, xn, 0x20),
+                _mm256_permute2x128_si256(xb, xn, 0x31),
+            );
+            if !IQ4 {
+                let s = _mm256_madd_epi16(
+                    _mm256_add_epi16(
+                        _mm256_maddubs_epi16(_mm256_set1_epi8(1), xs[p].0),
+                        _mm256_maddubs_epi16(_mm256_set1_epi8(1), xs[p].1),
+                    ),
+                    ones,
+                );
+                sum_x[2 * p] = hsum_i32_4(_mm256_castsi256_si128(s));
+                sum_x[2 * p + 1] = hsum_i32_4(_mm256_extracti128_si256(s, 1));
             }
         }
-        for b in b0..b1 {
-            // SAFETY: the loop above wrote all eight rows of blocks b0..b1.
-            let v: [__m256i; 8] =
-                std::array::from_fn(|r| unsafe { lanes[b - b0][r].assume_init() });
-            let isum = row_sums8(&v);
-            let d = _mm256_setr_ps(
-                dw(0, b),
-                dw(1, b),
-                dw(2, b),
-                dw(3, b),
-                dw(4, b),
-                dw(5, b),
-                dw(6, b),
-                dw(7, b),
-            );
-            let d = _mm256_mul_ps(d, _mm256_set1_ps(x.scales[b]));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc);
+        for r in 0..8 {
+            for p in 0..pairs {
+                let b = b0 + 2 * p;
+                let bits = nibbles(r, b, b + 1 < b1);
+                let lo = _mm256_and_si256(bits, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                let (xlo, xhi) = xs[p];
+                let v = if IQ4 {
+                    let (vlo, vhi) = (_mm256_shuffle_epi8(grid, lo), _mm256_shuffle_epi8(grid, hi));
+                    // |v| · (x with v's sign): each i16 pair sum fits (≤ 2 · 127 · 127).
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(
+                                _mm256_sign_epi8(vlo, vlo),
+                                _mm256_sign_epi8(xlo, vlo),
+                            ),
+                            ones,
+                        ),
+                        _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(
+                                _mm256_sign_epi8(vhi, vhi),
+                                _mm256_sign_epi8(xhi, vhi),
+                            ),
+                            ones,
+                        ),
+                    )
+                } else {
+                    // q ≤ 15, |x| ≤ 127: both i16 sums together stay ≤ 4 · 15 · 127.
+                    _mm256_madd_epi16(
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, xlo),
+                            _mm256_maddubs_epi16(hi, xhi),
+                        ),
+                        ones,
+                    )
+                };
+                lanes[p][r].write(v);
+            }
+        }
+        for p in 0..pairs {
+            // SAFETY: the loop above wrote all eight rows of pairs 0..pairs.
+            let v: [__m256i; 8] = std::array::from_fn(|r| unsafe { lanes[p][r].assume_init() });
+            // Per 128-bit half (block b, then b + 1): the sums of rows 0–3, then rows 4–7.
+            let h0123 =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            let h4567 =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+            let sums = [
+                _mm256_permute2x128_si256(h0123, h4567, 0x20),
+                _mm256_permute2x128_si256(h0123, h4567, 0x31),
+            ];
+            for (h, &isum) in sums.iter().enumerate() {
+                let b = b0 + 2 * p + h;
+                if b >= b1 {
+                    break;
+                }
+                let isum = if IQ4 {
+                    isum
+                } else {
+                    _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sum_x[2 * p + h]))
+                };
+                let d = _mm256_mul_ps(dw(b), _mm256_set1_ps(x.scales[b]));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc);
+            }
         }
     }
     let mut out = [0.0f32; 8];
     // SAFETY: 8 f32 = 32 bytes.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
     out
-}
-
-/// The eight rows' horizontal sums `[Σ v[0], …, Σ v[7]]` of eight vectors of i32 lanes, by a
-/// tree of `hadd`s (exact: integer adds in any order) instead of eight separate reductions.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn row_sums8(v: &[__m256i; 8]) -> __m256i {
-    let h01 = _mm256_hadd_epi32(v[0], v[1]);
-    let h23 = _mm256_hadd_epi32(v[2], v[3]);
-    let h45 = _mm256_hadd_epi32(v[4], v[5]);
-    let h67 = _mm256_hadd_epi32(v[6], v[7]);
-    // Per 128-bit half: rows 0–3 (4–7) summed over that half's four lanes.
-    let h0123 = _mm256_hadd_epi32(h01, h23);
-    let h4567 = _mm256_hadd_epi32(h45, h67);
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256(h0123, h4567, 0x20),
-        _mm256_permute2x128_si256(h0123, h4567, 0x31),
-    )
-}
-
-/// Q4_0 block values: nibbles − 8 (low nibbles first).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q4_0_values(qs: &[u8]) -> __m256i {
-    let bits = load128(qs);
-    let nib = _mm256_and_si256(
-        _mm256_set_m128i(_mm_srli_epi16(bits, 4), bits),
-        _mm256_set1_epi8(0x0F),
-    );
-    _mm256_sub_epi8(nib, _mm256_set1_epi8(8))
 }
 
 /// 8 f16 or bf16 values widened to f32.
