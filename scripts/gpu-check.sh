@@ -84,8 +84,10 @@ fi
 
 # 2. Build (cuda is a default feature: it compiles without the CUDA toolkit).
 t=$(date +%s)
-if [ -n "${TOY_BIN:-}" ]; then
-  record build skipped 0 '{"why": "TOY_BIN given"}'
+if [ -n "${TOY_BIN:-}" ] && [ -x "$CARGO_TARGET_DIR/release/examples/bench_kernels" ]; then
+  record build skipped 0 '{"why": "TOY_BIN given, bench_kernels already built (cargo test builds it)"}'
+elif [ -n "${TOY_BIN:-}" ]; then
+  record build failed 0 '{"why": "TOY_BIN given but $CARGO_TARGET_DIR/release/examples/bench_kernels is missing"}'
 elif run build cargo build --release --locked -p toy-cli && run build-kernels cargo build --release --locked -p toy-kernels --example bench_kernels; then
   record build passed $(($(date +%s) - t))
 else

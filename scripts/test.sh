@@ -9,18 +9,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/toy-target}"
+START=$(date +%s)
+# phase NAME: a header with the minutes since the start, so that a slow CI log says where.
+phase() { echo "== [$(( ($(date +%s) - START) / 60 )) min] $1" >&2; }
 
 command -v python3 >/dev/null || { echo "python3 is needed to fetch the test model from PyPI" >&2; exit 1; }
 
-echo "== lavapipe (software Vulkan) for the wgpu tests" >&2
+phase "lavapipe (software Vulkan) for the wgpu tests"
 scripts/gpu-test-deps.sh
-echo "== build (release)" >&2
+phase "build (release)"
 cargo build --release --locked -p toy-cli
-echo "== fetch SmolLM2-135M-Instruct and derive F32/Q8_0 with toy convert" >&2
+phase "fetch SmolLM2-135M-Instruct and derive F32/Q8_0 with toy convert"
 TOY_BIN="$CARGO_TARGET_DIR/release/toy" scripts/fetch-smollm2.sh >/dev/null
-echo "== openai client, websockets and chromium for the toy serve tests" >&2
+phase "openai client, websockets and chromium for the toy serve tests"
 scripts/serve-test-deps.sh
-echo "== tests" >&2
+phase "build the tests"
+cargo test --release --locked --workspace --no-run
+phase "tests"
 cargo test --release --locked --workspace
-echo "== scripts/gpu-check.sh --dry-run (every step of the device check that needs no GPU)" >&2
-OUT="${TMPDIR:-/tmp}/toy-gpu-check-dry-run" scripts/gpu-check.sh --dry-run
+phase "scripts/gpu-check.sh --dry-run (every step of the device check that needs no GPU)"
+# The binaries are the ones just built and tested (cargo test builds the examples too): a second
+# `cargo build -p toy-kernels` would resolve features for that crate alone and rebuild burn.
+OUT="${TMPDIR:-/tmp}/toy-gpu-check-dry-run" TOY_BIN="$CARGO_TARGET_DIR/release/toy" \
+  scripts/gpu-check.sh --dry-run
+phase "done"

@@ -23,7 +23,9 @@ use toy_core::gguf::GgufFile;
 
 type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
 
-const STEPS: usize = 16;
+/// Two short prompts of eight steps: each forward pass takes seconds on lavapipe.
+const STEPS: usize = 8;
+const PROMPTS: usize = 2;
 /// Greedy ids may leave llama.cpp's only at a step whose top-2 margin is below this: twice the
 /// logit tolerance, since both top logits may move.
 const MARGIN: f64 = 3.0;
@@ -74,11 +76,11 @@ fn smollm2_q8_0_with_f16_activations_on_wgpu() {
         "f16 logits too far from f32: {diffs:?}"
     );
 
-    // Greedy ids on the four short oracle prompts: they may leave llama.cpp's only at a step
+    // Greedy ids on the shortest oracle prompts: they may leave llama.cpp's only at a step
     // where llama.cpp itself was unsure (top-2 margin below MARGIN); a departure at a confident
     // step fails.
     let mut failures = Vec::new();
-    for (i, case) in cases[..4].iter().enumerate() {
+    for (i, case) in cases[..PROMPTS].iter().enumerate() {
         let prompt = common::ids(&case["prompt_ids"]);
         let expected = &common::ids(&case["gen_ids"])[..STEPS];
         let got = common::greedy(&gpu, &prompt, STEPS);
