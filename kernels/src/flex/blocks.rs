@@ -759,9 +759,35 @@ fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]>
         return unsafe {
             match (ty, x, form) {
                 (GgmlType::Q4K, ActRow::Q8K(y), Form::Gemv) => Some(v::dot8_q4_k_gemv(w, y)),
-                (GgmlType::IQ4NL, ActRow::Q8(y), Form::Gemv) => Some(v::dot8_repacked_32(
+                (GgmlType::IQ4NL, ActRow::Q8(y), Form::Gemv) => {
+                    let [y] =
+                        v::dot8_repacked_32::<1>(w[0].len() / 18, [y], v::Repacked8::Iq4Nl(w));
+                    Some(y)
+                }
+                _ => None,
+            }
+        };
+    }
+    let _ = (ty, w, x, form);
+    None
+}
+
+/// `dot8` for four activation rows of the same form at once, where a kernel unpacks each weight
+/// register once for all four (the same bits as four `dot8` calls); `None` elsewhere.
+fn dot8_rows4(ty: GgmlType, w: [&[u8]; 8], x: [&ActRow; 4], form: Form) -> Option<[[f32; 8]; 4]> {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_level() >= super::CpuLevel::Avx2 {
+        use super::blocks_avx2 as v;
+        let rows: [&QuantRow; 4] = match x {
+            [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
+            _ => return None,
+        };
+        // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+        return unsafe {
+            match (ty, form) {
+                (GgmlType::IQ4NL, Form::Gemv) => Some(v::dot8_repacked_32::<4>(
                     w[0].len() / 18,
-                    y,
+                    rows,
                     v::Repacked8::Iq4Nl(w),
                 )),
                 _ => None,
@@ -841,7 +867,19 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
                 // Eight outputs per call where an 8-row kernel exists (the same bits as `dot`).
                 'eight: while c0 + 8 <= ncols {
                     let rows: [&[u8]; 8] = std::array::from_fn(|r| wr(c0 + r));
-                    for i in i0..i1 {
+                    let mut i = i0;
+                    // Four activation rows per call where that kernel exists.
+                    while i + 4 <= i1 && forms[i..i + 4].iter().all(|&f| f == forms[i]) {
+                        let x = [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]];
+                        let Some(y) = dot8_rows4(ty, rows, x, forms[i]) else {
+                            break;
+                        };
+                        for (a, y) in y.iter().enumerate() {
+                            (0..8).for_each(|r| cols[(c0 + r) * m + i + a] = y[r]);
+                        }
+                        i += 4;
+                    }
+                    for i in i..i1 {
                         let Some(y) = dot8(ty, rows, &acts[i], forms[i]) else {
                             break 'eight;
                         };

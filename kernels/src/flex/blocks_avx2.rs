@@ -730,26 +730,34 @@ pub(super) enum Repacked8<'a> {
     Iq4Nl([&'a [u8]; 8]),
 }
 
-/// Eight outputs of `dot_repacked_32` — weight rows `0..8` against one activation row — as
-/// llama.cpp's `gemv_q4_0_8x8` / `gemv_iq4_nl_8x8` compute them: each row's exact block sums,
-/// then one 8-wide fused multiply-add per block for all eight rows (the same bits per output as
-/// eight `dot_repacked_32` calls). The integer work runs on two blocks per 256-bit vector (the
-/// low nibbles of blocks `b` and `b + 1` in one register, against the activations rearranged
-/// once per call to match), so the eight rows' block sums of a pair of blocks come out of one
-/// `hadd` tree; Q4_0's nibbles multiply unsigned and `8 · Σx` is subtracted from each block sum
-/// (exact in i32) instead of re-signing every weight. The rows are read one after another, each
-/// in memory order, a chunk of blocks at a time: interleaving eight short rows defeats the
-/// hardware prefetcher. (The closures are written here, inside the `target_feature` function,
-/// so that the SIMD helpers they call are inlined.)
+/// Eight outputs of `dot_repacked_32` — weight rows `0..8` — for each of `A` activation rows, as
+/// llama.cpp's `gemv_q4_0_8x8` / `gemv_iq4_nl_8x8` (one row) and `gemm_*_8x8` (four rows)
+/// compute them: each row's exact block sums, then one 8-wide fused multiply-add per block for
+/// all eight rows (the same bits per output as eight `dot_repacked_32` calls, whatever `A` is).
+/// The integer work runs on two blocks per 256-bit vector (the low nibbles of blocks `b` and
+/// `b + 1` in one register, against the activations rearranged once per call to match), so the
+/// eight rows' block sums of a pair of blocks come out of one `hadd` tree; Q4_0's nibbles multiply
+/// unsigned and `8 · Σx` is subtracted from each block sum (exact in i32) instead of re-signing
+/// every weight. With `A = 4` (prefill) each weight register is unpacked once for four
+/// activation rows. The rows are read one after another, each in memory order, a chunk of blocks
+/// at a time: interleaving eight short rows defeats the hardware prefetcher. (The closures are
+/// written here, inside the `target_feature` function, so that the SIMD helpers they call are
+/// inlined.)
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot8_repacked_32(nb: usize, x: &QuantRow, w: Repacked8<'_>) -> [f32; 8] {
-    assert!(x.quants.len() >= BLOCK * nb && x.scales.len() >= nb);
+pub(super) fn dot8_repacked_32<const A: usize>(
+    nb: usize,
+    x: [&QuantRow; A],
+    w: Repacked8<'_>,
+) -> [[f32; 8]; A] {
+    for x in &x {
+        assert!(x.quants.len() >= BLOCK * nb && x.scales.len() >= nb);
+    }
     match w {
         Repacked8::Q4_0 { quants, scales } => {
             for r in 0..8 {
                 assert!(quants[r].len() >= 16 * nb && scales[r].len() >= nb);
             }
-            dot8_pairs::<false>(
+            dot8_pairs::<false, A>(
                 nb,
                 x,
                 |r, b, both| {
@@ -779,7 +787,7 @@ pub(super) fn dot8_repacked_32(nb: usize, x: &QuantRow, w: Repacked8<'_>) -> [f3
             }
             let half =
                 |r: usize, b: usize| i16::from_le_bytes([blocks[r][18 * b], blocks[r][18 * b + 1]]);
-            dot8_pairs::<true>(
+            dot8_pairs::<true, A>(
                 nb,
                 x,
                 |r, b, both| {
@@ -814,13 +822,13 @@ pub(super) fn dot8_repacked_32(nb: usize, x: &QuantRow, w: Repacked8<'_>) -> [f3
 /// grid; otherwise they are Q4_0's `q` with value `q − 8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot8_pairs<const IQ4: bool>(
+fn dot8_pairs<const IQ4: bool, const A: usize>(
     nb: usize,
-    x: &QuantRow,
+    x: [&QuantRow; A],
     nibbles: impl Fn(usize, usize, bool) -> __m256i,
     dw: impl Fn(usize) -> __m256,
-) -> [f32; 8] {
-    // Blocks per chunk (even): 16 pairs of per-row lanes, 4 KiB of scratch.
+) -> [[f32; 8]; A] {
+    // Blocks per chunk (even): 16 pairs of per-row lanes, 4 KiB of scratch per activation row.
     const CHUNK: usize = 32;
     const PAIRS: usize = CHUNK / 2;
     let m4 = _mm256_set1_epi8(0x0F);
@@ -829,39 +837,43 @@ fn dot8_pairs<const IQ4: bool>(
     let grid = _mm256_broadcastsi128_si256(unsafe {
         _mm_loadu_si128(IQ4_GRID.as_ptr() as *const __m128i)
     });
-    let mut acc = _mm256_setzero_ps();
-    // Per pair of the chunk, each row's eight i32 partial sums (four per block). Left
-    // uninitialized: zeroing the scratch per call was a third of the kernel's time.
-    let mut lanes = [[std::mem::MaybeUninit::<__m256i>::uninit(); 8]; PAIRS];
-    // Per pair, the activations matching the nibble registers: values 0..16 of both blocks,
-    // then values 16..32 of both.
-    let mut xs = [(_mm256_setzero_si256(), _mm256_setzero_si256()); PAIRS];
-    let mut sum_x = [0i32; CHUNK];
+    let mut acc = [_mm256_setzero_ps(); A];
+    // Per activation row and pair of the chunk, each weight row's eight i32 partial sums (four
+    // per block). Left uninitialized: zeroing the scratch per call was a third of the kernel's
+    // time.
+    let mut lanes = [[[std::mem::MaybeUninit::<__m256i>::uninit(); 8]; PAIRS]; A];
+    // Per activation row and pair, the activations matching the nibble registers: values 0..16
+    // of both blocks, then values 16..32 of both.
+    let mut xs = [[(_mm256_setzero_si256(), _mm256_setzero_si256()); PAIRS]; A];
+    let mut sum_x = [[0i32; CHUNK]; A];
     for b0 in (0..nb).step_by(CHUNK) {
         let b1 = (b0 + CHUNK).min(nb);
         let pairs = (b1 - b0).div_ceil(2);
-        for p in 0..pairs {
-            let b = b0 + 2 * p;
-            let xb = load_q8(&x.quants[BLOCK * b..]);
-            let xn = if b + 1 < b1 {
-                load_q8(&x.quants[BLOCK * (b + 1)..])
-            } else {
-                _mm256_setzero_si256()
-            };
-            xs[p] = (
-                _mm256_permute2x128_si256(xb, xn, 0x20),
-                _mm256_permute2x128_si256(xb, xn, 0x31),
-            );
-            if !IQ4 {
-                let s = _mm256_madd_epi16(
-                    _mm256_add_epi16(
-                        _mm256_maddubs_epi16(_mm256_set1_epi8(1), xs[p].0),
-                        _mm256_maddubs_epi16(_mm256_set1_epi8(1), xs[p].1),
-                    ),
-                    ones,
+        for a in 0..A {
+            for p in 0..pairs {
+                let b = b0 + 2 * p;
+                let xb = load_q8(&x[a].quants[BLOCK * b..]);
+                let xn = if b + 1 < b1 {
+                    load_q8(&x[a].quants[BLOCK * (b + 1)..])
+                } else {
+                    _mm256_setzero_si256()
+                };
+                let pair = (
+                    _mm256_permute2x128_si256(xb, xn, 0x20),
+                    _mm256_permute2x128_si256(xb, xn, 0x31),
                 );
-                sum_x[2 * p] = hsum_i32_4(_mm256_castsi256_si128(s));
-                sum_x[2 * p + 1] = hsum_i32_4(_mm256_extracti128_si256(s, 1));
+                xs[a][p] = pair;
+                if !IQ4 {
+                    let s = _mm256_madd_epi16(
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(_mm256_set1_epi8(1), pair.0),
+                            _mm256_maddubs_epi16(_mm256_set1_epi8(1), pair.1),
+                        ),
+                        ones,
+                    );
+                    sum_x[a][2 * p] = hsum_i32_4(_mm256_castsi256_si128(s));
+                    sum_x[a][2 * p + 1] = hsum_i32_4(_mm256_extracti128_si256(s, 1));
+                }
             }
         }
         for r in 0..8 {
@@ -870,69 +882,79 @@ fn dot8_pairs<const IQ4: bool>(
                 let bits = nibbles(r, b, b + 1 < b1);
                 let lo = _mm256_and_si256(bits, m4);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                let (xlo, xhi) = xs[p];
-                let v = if IQ4 {
+                if IQ4 {
                     let (vlo, vhi) = (_mm256_shuffle_epi8(grid, lo), _mm256_shuffle_epi8(grid, hi));
-                    // |v| · (x with v's sign): each i16 pair sum fits (≤ 2 · 127 · 127).
-                    _mm256_add_epi32(
-                        _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(
-                                _mm256_sign_epi8(vlo, vlo),
-                                _mm256_sign_epi8(xlo, vlo),
+                    let (alo, ahi) = (_mm256_sign_epi8(vlo, vlo), _mm256_sign_epi8(vhi, vhi));
+                    for a in 0..A {
+                        let (xlo, xhi) = xs[a][p];
+                        // |v| · (x with v's sign): each i16 pair sum fits (≤ 2 · 127 · 127).
+                        let v = _mm256_add_epi32(
+                            _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(alo, _mm256_sign_epi8(xlo, vlo)),
+                                ones,
                             ),
-                            ones,
-                        ),
-                        _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(
-                                _mm256_sign_epi8(vhi, vhi),
-                                _mm256_sign_epi8(xhi, vhi),
+                            _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xhi, vhi)),
+                                ones,
                             ),
-                            ones,
-                        ),
-                    )
+                        );
+                        lanes[a][p][r].write(v);
+                    }
                 } else {
-                    // q ≤ 15, |x| ≤ 127: both i16 sums together stay ≤ 4 · 15 · 127.
-                    _mm256_madd_epi16(
-                        _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, xlo),
-                            _mm256_maddubs_epi16(hi, xhi),
-                        ),
-                        ones,
-                    )
-                };
-                lanes[p][r].write(v);
+                    for a in 0..A {
+                        let (xlo, xhi) = xs[a][p];
+                        // q ≤ 15, |x| ≤ 127: both i16 sums together stay ≤ 4 · 15 · 127.
+                        let v = _mm256_madd_epi16(
+                            _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, xlo),
+                                _mm256_maddubs_epi16(hi, xhi),
+                            ),
+                            ones,
+                        );
+                        lanes[a][p][r].write(v);
+                    }
+                }
             }
         }
         for p in 0..pairs {
-            // SAFETY: the loop above wrote all eight rows of pairs 0..pairs.
-            let v: [__m256i; 8] = std::array::from_fn(|r| unsafe { lanes[p][r].assume_init() });
-            // Per 128-bit half (block b, then b + 1): the sums of rows 0–3, then rows 4–7.
-            let h0123 =
-                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-            let h4567 =
-                _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-            let sums = [
-                _mm256_permute2x128_si256(h0123, h4567, 0x20),
-                _mm256_permute2x128_si256(h0123, h4567, 0x31),
-            ];
-            for (h, &isum) in sums.iter().enumerate() {
+            // Per activation row and 128-bit half (block b, then b + 1): the sums of weight
+            // rows 0–3, then rows 4–7.
+            let sums: [[__m256i; 2]; A] = std::array::from_fn(|a| {
+                // SAFETY: the loop above wrote all eight rows of pairs 0..pairs.
+                let v: [__m256i; 8] =
+                    std::array::from_fn(|r| unsafe { lanes[a][p][r].assume_init() });
+                let h0123 =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                let h4567 =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+                [
+                    _mm256_permute2x128_si256(h0123, h4567, 0x20),
+                    _mm256_permute2x128_si256(h0123, h4567, 0x31),
+                ]
+            });
+            for h in 0..2 {
                 let b = b0 + 2 * p + h;
                 if b >= b1 {
                     break;
                 }
-                let isum = if IQ4 {
-                    isum
-                } else {
-                    _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sum_x[2 * p + h]))
-                };
-                let d = _mm256_mul_ps(dw(b), _mm256_set1_ps(x.scales[b]));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc);
+                let dwb = dw(b);
+                for a in 0..A {
+                    let isum = if IQ4 {
+                        sums[a][h]
+                    } else {
+                        _mm256_sub_epi32(sums[a][h], _mm256_set1_epi32(8 * sum_x[a][2 * p + h]))
+                    };
+                    let d = _mm256_mul_ps(dwb, _mm256_set1_ps(x[a].scales[b]));
+                    acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc[a]);
+                }
             }
         }
     }
-    let mut out = [0.0f32; 8];
-    // SAFETY: 8 f32 = 32 bytes.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    let mut out = [[0.0f32; 8]; A];
+    for a in 0..A {
+        // SAFETY: 8 f32 = 32 bytes.
+        unsafe { _mm256_storeu_ps(out[a].as_mut_ptr(), acc[a]) };
+    }
     out
 }
 

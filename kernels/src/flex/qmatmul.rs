@@ -556,22 +556,28 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
             #[cfg(target_arch = "x86_64")]
             if fast && cols.len() == 8 * m {
                 let j0 = 8 * g;
-                for (i, row) in rows.iter().enumerate() {
+                let weights = || blocks_avx2::Repacked8::Q4_0 {
+                    quants: std::array::from_fn(|r| {
+                        &bytes[(j0 + r) * row_bytes..(j0 + r + 1) * row_bytes]
+                    }),
+                    scales: std::array::from_fn(|r| &w.scales[(j0 + r) * nb..(j0 + r + 1) * nb]),
+                };
+                // Four activation rows per call (each weight register unpacked once for all
+                // four, as llama.cpp's `gemm_q4_0_8x8` does), then the rest one at a time.
+                let mut i = 0;
+                while i + 4 <= m {
+                    let x = std::array::from_fn(|a| &rows[i + a]);
                     // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
-                    let y = unsafe {
-                        blocks_avx2::dot8_repacked_32(
-                            nb,
-                            row,
-                            blocks_avx2::Repacked8::Q4_0 {
-                                quants: std::array::from_fn(|r| {
-                                    &bytes[(j0 + r) * row_bytes..(j0 + r + 1) * row_bytes]
-                                }),
-                                scales: std::array::from_fn(|r| {
-                                    &w.scales[(j0 + r) * nb..(j0 + r + 1) * nb]
-                                }),
-                            },
-                        )
-                    };
+                    let y = unsafe { blocks_avx2::dot8_repacked_32::<4>(nb, x, weights()) };
+                    for (a, y) in y.iter().enumerate() {
+                        (0..8).for_each(|r| cols[r * m + i + a] = y[r]);
+                    }
+                    i += 4;
+                }
+                for i in i..m {
+                    // SAFETY: as above.
+                    let [y] =
+                        unsafe { blocks_avx2::dot8_repacked_32::<1>(nb, [&rows[i]], weights()) };
                     (0..8).for_each(|r| cols[r * m + i] = y[r]);
                 }
                 return;
@@ -705,8 +711,8 @@ mod tests {
         }
     }
 
-    /// Q4_0's eight-row repacked kernel gives each row the specification's bits.
-    #[cfg(target_arch = "x86_64")]
+    /// Q4_0's eight-row repacked kernel gives each output the specification's bits, for one
+    /// activation row (decode) and four at once (prefill).
     #[test]
     fn repacked_q4_0_eight_rows_match_the_spec() {
         if cpu_level() < CpuLevel::Avx2 {
@@ -715,29 +721,36 @@ mod tests {
         let mut next = uniform(7);
         for nb in [1usize, 18, 64, 65, 200] {
             let k = nb * BLOCK;
-            let x: Vec<f32> = (0..k).map(|_| next() * 4.0 - 2.0).collect();
-            let row = quantize_row(&x);
+            let rows: Vec<QuantRow> = (0..4)
+                .map(|_| quantize_row(&(0..k).map(|_| next() * 4.0 - 2.0).collect::<Vec<_>>()))
+                .collect();
             let w: Vec<u8> = (0..8 * nb * 16).map(|_| (next() * 256.0) as u8).collect();
             let s: Vec<f32> = (0..8 * nb).map(|_| next() * 0.1).collect();
-            // SAFETY: the CPU has AVX2 (checked above).
-            let got = unsafe {
-                blocks_avx2::dot8_repacked_32(
-                    nb,
-                    &row,
-                    blocks_avx2::Repacked8::Q4_0 {
-                        quants: std::array::from_fn(|r| &w[r * nb * 16..(r + 1) * nb * 16]),
-                        scales: std::array::from_fn(|r| &s[r * nb..(r + 1) * nb]),
-                    },
-                )
+            let weights = || blocks_avx2::Repacked8::Q4_0 {
+                quants: std::array::from_fn(|r| &w[r * nb * 16..(r + 1) * nb * 16]),
+                scales: std::array::from_fn(|r| &s[r * nb..(r + 1) * nb]),
             };
-            for r in 0..8 {
-                let want = blocks::dot_repacked_32(
-                    nb,
-                    &row,
-                    |b, i| weight_quant(Format::Q4_0, &w[(r * nb + b) * 16..], i),
-                    |b| s[r * nb + b],
-                );
-                assert_eq!(got[r].to_bits(), want.to_bits(), "row {r}, {nb} blocks");
+            // SAFETY: the CPU has AVX2 (checked above).
+            let four = unsafe {
+                blocks_avx2::dot8_repacked_32::<4>(nb, std::array::from_fn(|a| &rows[a]), weights())
+            };
+            for (a, row) in rows.iter().enumerate() {
+                // SAFETY: as above.
+                let [one] = unsafe { blocks_avx2::dot8_repacked_32::<1>(nb, [row], weights()) };
+                for r in 0..8 {
+                    let want = blocks::dot_repacked_32(
+                        nb,
+                        row,
+                        |b, i| weight_quant(Format::Q4_0, &w[(r * nb + b) * 16..], i),
+                        |b| s[r * nb + b],
+                    );
+                    assert_eq!(one[r].to_bits(), want.to_bits(), "row {r}, {nb} blocks");
+                    assert_eq!(
+                        four[a][r].to_bits(),
+                        want.to_bits(),
+                        "row {r}, act {a}, {nb} blocks"
+                    );
+                }
             }
         }
     }

@@ -82,9 +82,28 @@ fn eight_row_dots_are_bit_identical_to_the_spec() {
                 );
                 checked += 1;
             }
+            // Four activation rows at once, where that kernel exists.
+            let acts: Vec<ActRow> = (0..4)
+                .map(|_| activation(ty, &random_activations(k, &mut next), form))
+                .collect();
+            let x = [&acts[0], &acts[1], &acts[2], &acts[3]];
+            if let Some(got) = dot8_rows4(ty, w, x, form) {
+                for (a, act) in acts.iter().enumerate() {
+                    for r in 0..8 {
+                        let want = dot(ty, w[r], act, form, GgmlIsa::Avx2);
+                        assert_eq!(
+                            got[a][r].to_bits(),
+                            want.to_bits(),
+                            "{ty} row {r}, activation row {a}, {sb} super-blocks"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
         }
     }
-    assert_eq!(checked, 96);
+    // Q4_K: 8 rows; IQ4_NL: 8 rows, then 4 × 8 by the four-row kernel; 6 sizes each.
+    assert_eq!(checked, 6 * 8 + 6 * (8 + 32));
 }
 
 /// The 4-row kernels give each activation row the specification's bits.
