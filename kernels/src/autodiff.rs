@@ -239,6 +239,10 @@ impl<B: ToyBackend> Backward<B, 2> for LinearCrossEntropyBackward {
 }
 
 impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
+    fn with_row_groups<R>(lens: &[usize], f: impl FnOnce() -> R) -> R {
+        B::with_row_groups(lens, f)
+    }
+
     fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
         let w = inner_packed(w);
         match PackedMatmulBackward

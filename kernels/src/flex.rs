@@ -166,6 +166,8 @@ impl ToyBackend for Flex {
     /// pass ends, as ggml's threads spin between ops.
     fn run_pass<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         let done = AtomicBool::new(false);
+        // The pass may run on another thread: its row groups go with it.
+        let groups = row_groups::current();
         rayon::scope(|scope| {
             for _ in 1..rayon::current_num_threads() {
                 scope.spawn(|_| {
@@ -187,8 +189,12 @@ impl ToyBackend for Flex {
             // jobs were never told, the scope would wait for them forever instead of
             // propagating the panic.
             let _end = PassEnd(&done);
-            f()
+            row_groups::scoped(groups, f)
         })
+    }
+
+    fn with_row_groups<R>(lens: &[usize], f: impl FnOnce() -> R) -> R {
+        row_groups::scoped(Some(lens.to_vec()), f)
     }
 
     fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
@@ -252,15 +258,29 @@ impl ToyBackend for Flex {
         // llama.cpp's arithmetic: tinyBLAS for several rows, vec_dot_f32 for one (decode).
         // Where tinyBLAS's shape conditions fail, `gemm`, whose blocked products beat ggml's
         // per-output fallback. (Training's forward, `dense_linear_tracked`, is `gemm`'s.)
+        // A batched pass's rows take the path their own sequence's row count picks.
         dense_product(x, w, |xd, m, wd, n, k| {
             let isa = ggml_isa();
-            if tinyblas::applies(m, n, k, isa) {
-                let (xb, wb) = (bytemuck::cast_slice(xd), bytemuck::cast_slice(wd));
-                tinyblas::matmul(xb, m, wb, n, k, tinyblas::Elem::F32, isa)
-            } else if m == 1 {
-                tinyblas::vec_dot_matmul(xd, m, wd, n, k, isa)
-            } else {
-                gemm_linear(xd, m, wd, n, k)
+            let several = |xd: &[f32], m: usize| {
+                if tinyblas::applies(m, n, k, isa) {
+                    let (xb, wb) = (bytemuck::cast_slice(xd), bytemuck::cast_slice(wd));
+                    tinyblas::matmul(xb, m, wb, n, k, tinyblas::Elem::F32, isa)
+                } else if m == 1 {
+                    tinyblas::vec_dot_matmul(xd, m, wd, n, k, isa)
+                } else {
+                    gemm_linear(xd, m, wd, n, k)
+                }
+            };
+            match row_groups::for_rows(m) {
+                Some(groups) => row_groups::split_single_rows(
+                    xd,
+                    k,
+                    n,
+                    &groups,
+                    |xd, m| tinyblas::vec_dot_matmul(xd, m, wd, n, k, isa),
+                    several,
+                ),
+                None => several(xd, m),
             }
         })
     }
@@ -702,6 +722,7 @@ mod loss;
 mod optim;
 mod qmatmul;
 mod reduce;
+mod row_groups;
 mod tinyblas;
 mod vnni;
 

@@ -71,6 +71,17 @@ pub trait ToyBackend: Backend {
         f()
     }
 
+    /// Run `f` with the activation rows of its matmuls declared as independent sequences of
+    /// `lens[0]`, `lens[1]`, … rows, one after another (a continuous-batching pass). Where a
+    /// backend's matmul numbers depend on the row count — on the CPU, as llama.cpp's kernels
+    /// do — it then computes each row as that sequence alone would, so batching changes no
+    /// sequence's logits. A matmul whose row count is not the sum of `lens` computes as usual.
+    /// The default ignores the declaration.
+    fn with_row_groups<R>(lens: &[usize], f: impl FnOnce() -> R) -> R {
+        let _ = lens;
+        f()
+    }
+
     /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a weight `W` kept in its GGUF block format
     /// (any of [`packed::PACKED_TYPES`]). On the CPU this computes what llama.cpp's x86 build
     /// computes for that type, bit for bit: the activations quantized to the 8-bit blocks the

@@ -20,7 +20,7 @@ http://HOST:PORT/v1 (docs/server.md).
 Examples:
   toy serve model.gguf                       http://127.0.0.1:8080/ (chat page at /)
   toy serve model.gguf --port 0              a free port; the URL is printed when ready
-  toy serve model.gguf --host 0.0.0.0 --api-key secret --max-concurrency 8
+  toy serve model.gguf --host 0.0.0.0 --api-key secret --parallel 16
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"stream\":true}'")]
 pub struct ServeArgs {
@@ -35,9 +35,14 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on the API (not on / and /health).
     #[arg(long, env = "TOY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Sequences generated at once; their decode steps take turns.
-    #[arg(long, default_value_t = 4)]
-    pub max_concurrency: usize,
+    /// Sequences generated at once (llama-server's -np). Each step is one forward pass over all
+    /// of them (continuous batching): a decode token of each, plus prompt chunks of new ones.
+    #[arg(long, visible_alias = "max-concurrency", default_value_t = 8)]
+    pub parallel: usize,
+    /// Most tokens in one forward pass (decode tokens count one each; long prompts are read in
+    /// chunks that fit what is left).
+    #[arg(long, default_value_t = 512)]
+    pub batch_tokens: usize,
     /// Requests that may wait for a free slot; beyond that new ones get 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -79,7 +84,8 @@ impl BackendJob for ServeJob {
             host: a.host,
             port: a.port,
             api_key: a.api_key.filter(|k| !k.is_empty()),
-            max_concurrency: a.max_concurrency,
+            max_concurrency: a.parallel,
+            batch_tokens: a.batch_tokens,
             max_queue: a.max_queue,
             ctx: a.ctx,
             max_body_bytes: a.max_body_bytes,

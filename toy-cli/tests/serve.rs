@@ -350,6 +350,63 @@ fn chat_page_streams_a_reply_in_headless_chromium() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Continuous batching: sixteen different chat prompts sent at once to `--parallel 16` run in
+/// shared forward passes (the mean batch is well above one sequence), and each greedy answer
+/// equals `toy infer --chat` run alone — the CPU's quantized matmul computes each row the same
+/// way whatever the batch.
+#[test]
+fn sixteen_concurrent_greedy_chats_are_batched_and_equal_infer() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--parallel", "16"]);
+    let prompts: Vec<String> = (0..16)
+        .map(|i| match i % 4 {
+            0 => format!("Give me {} reasons to learn Rust.", i + 2),
+            1 => format!("What is {i} times {}?", i + 3),
+            2 => format!("Write a short poem about the number {i}."),
+            _ => format!("Name {} rivers in Europe.", i % 5 + 2),
+        })
+        .collect();
+    let answers: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|prompt| {
+                let addr = server.addr.clone();
+                scope.spawn(move || {
+                    let body = serde_json::json!({
+                        "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": N,
+                        "temperature": 0,
+                    })
+                    .to_string();
+                    let (status, _, reply) =
+                        http(&addr, "POST", "/v1/chat/completions", Some(KEY), &body);
+                    assert_eq!(status, 200, "{reply}");
+                    let v: serde_json::Value = serde_json::from_str(&reply).expect("json");
+                    v["choices"][0]["message"]["content"]
+                        .as_str()
+                        .expect("content")
+                        .to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let passes = metric(&server.addr, "toy_batch_passes_total");
+    let rows = metric(&server.addr, "toy_batch_sequences_total");
+    assert!(
+        rows / passes > 4.0,
+        "{rows} sequences over {passes} passes: the requests were not batched"
+    );
+    drop(server);
+    for (prompt, answer) in prompts.iter().zip(&answers) {
+        assert_eq!(
+            answer,
+            &infer_chat(prompt, N),
+            "{prompt:?}: the batched answer differs from toy infer --chat"
+        );
+    }
+}
+
 #[test]
 fn load_test_32_clients_mixed_good_bad_and_disconnects() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -498,7 +555,8 @@ fn serve_refuses_bad_options_with_a_message() {
         "--host",
         "--port",
         "--api-key",
-        "--max-concurrency",
+        "--parallel",
+        "--batch-tokens",
         "--ctx",
         "--events",
     ] {

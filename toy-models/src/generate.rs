@@ -8,6 +8,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use toy_core::sampling::Sampler;
 use toy_kernels::ToyBackend;
 
+use crate::cache::PROMPT_CHUNK;
 use crate::model::CausalLm;
 
 #[derive(Debug, thiserror::Error)]
@@ -108,7 +109,10 @@ pub fn generate<B: ToyBackend>(
     };
 
     let start = Instant::now();
-    let mut logits = host_logits(model.forward_last(to_tensor(prompt), &mut cache))?;
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(PROMPT_CHUNK) {
+        logits = host_logits(model.forward_last(to_tensor(chunk), &mut cache))?;
+    }
     stats.prompt_time = start.elapsed();
     let decode_start = Instant::now();
     for step in 0..options.max_new_tokens {

@@ -17,7 +17,8 @@ use toy_core::config::ModelConfig;
 use toy_core::gguf::GgufFile;
 use toy_kernels::{AttentionOptions, ToyBackend};
 
-use crate::llama::{KvCache, gelu_ggml};
+use crate::cache::{self, KvCache, Segment};
+use crate::llama::gelu_ggml;
 use crate::load::{LoadError, dense_tensor, linear, tensor};
 use crate::qlinear::QLinear;
 
@@ -177,17 +178,30 @@ impl<B: ToyBackend> Gpt2<B> {
         tokens: Tensor<B, 2, Int>,
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
+        let t = tokens.dims()[1];
+        self.forward_segments(tokens, &mut cache::segments(vec![cache], &[t]))
+    }
+
+    /// Several sequences in one pass (see [`crate::cache`]): `tokens[1, T]` holds each
+    /// segment's new tokens one after another; with one segment any batch size.
+    pub fn forward_segments(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        segments: &mut [Segment<'_, B>],
+    ) -> Tensor<B, 3> {
         let [b, t] = tokens.dims();
-        let past = cache.len();
-        let positions: Vec<i64> = (past..past + t).map(|p| p as i64).collect();
+        let positions: Vec<i64> = segments
+            .iter()
+            .flat_map(|s| (s.past..s.past + s.len).map(|p| p as i64))
+            .collect();
         let positions =
             Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [1, t]), &tokens.device())
                 .expand([b, t]);
         let mut x = self.token_embd.forward(tokens) + self.pos_embd.forward(positions);
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward(x, i, cache, past);
+            x = block.forward(x, i, segments);
         }
-        cache.advance(t);
+        cache::advance(segments);
         self.output_norm.forward(x)
     }
 
@@ -216,33 +230,40 @@ impl<B: ToyBackend> Gpt2Block<B> {
         &self,
         x: Tensor<B, 3>,
         layer: usize,
-        cache: &mut KvCache<B>,
-        past: usize,
+        segments: &mut [Segment<'_, B>],
     ) -> Tensor<B, 3> {
-        let [b, t, d] = x.dims();
+        let [b, _, d] = x.dims();
         let head_dim = d / self.n_head;
         let qkv = self.qkv.forward(self.attn_norm.forward(x.clone()));
-        let heads = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * d, d)
-                .reshape([b, t, self.n_head, head_dim])
-                .swap_dims(1, 2)
-        };
-        let (k, v) = cache.append(layer, heads(1), heads(2));
-        let options = AttentionOptions {
-            scale: 1.0 / (head_dim as f32).sqrt(),
-            q_offset: past,
-            window: None,
-            softcap: None,
-        };
-        let out = <B as ToyBackend>::attention(
-            heads(0).into_primitive().tensor(),
-            k.into_primitive().tensor(),
-            v.into_primitive().tensor(),
-            options,
-        );
-        let out: Tensor<B, 3> = Tensor::from_primitive(TensorPrimitive::Float(B::merge_heads(out)));
-        let h = self.wo.forward(out) + x;
+        let n_segments = segments.len();
+        let mut outs = Vec::with_capacity(n_segments);
+        for segment in segments.iter_mut() {
+            let qkv = cache::rows(&qkv, segment, n_segments);
+            let t = segment.len;
+            let heads = |i: usize| {
+                qkv.clone()
+                    .narrow(2, i * d, d)
+                    .reshape([b, t, self.n_head, head_dim])
+                    .swap_dims(1, 2)
+            };
+            let (k, v) = segment.cache.append(layer, heads(1), heads(2));
+            let options = AttentionOptions {
+                scale: 1.0 / (head_dim as f32).sqrt(),
+                q_offset: segment.past,
+                window: None,
+                softcap: None,
+            };
+            let out = <B as ToyBackend>::attention(
+                heads(0).into_primitive().tensor(),
+                k.into_primitive().tensor(),
+                v.into_primitive().tensor(),
+                options,
+            );
+            outs.push(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(
+                B::merge_heads(out),
+            )));
+        }
+        let h = self.wo.forward(cache::join(outs)) + x;
         let f = self
             .down
             .forward(gelu_ggml(self.up.forward(self.ffn_norm.forward(h.clone()))));

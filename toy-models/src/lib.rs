@@ -5,6 +5,7 @@
 //! [`model::load_model`] either (as a [`model::Model`]), and [`save::save`] writes a llama;
 //! [`generate::Generator`] runs prefill and decode steps with a KV cache and samples on the host.
 
+pub mod cache;
 pub mod embedding;
 pub mod generate;
 pub mod gpt2;
@@ -15,9 +16,10 @@ pub mod model;
 pub mod qlinear;
 pub mod save;
 
+pub use cache::{KvCache, PROMPT_CHUNK, Segment};
 pub use embedding::TokenEmbedding;
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use llama::{KvCache, LlamaConfig, Transformer};
+pub use llama::{LlamaConfig, Transformer};
 pub use load::{LoadError, load};
 pub use model::{CausalLm, Model, load_model};
 pub use qlinear::{PackedMatrix, QLinear};

@@ -16,6 +16,7 @@ use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive
 use toy_core::rope::RopeAngles;
 use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
+use crate::cache::{self, KvCache, Segment};
 use crate::embedding::TokenEmbedding;
 use crate::lora::{BlockLora, Target, project};
 use crate::qlinear::QLinear;
@@ -455,57 +456,8 @@ pub struct Mlp<B: Backend> {
     pub gelu: bool,
 }
 
-/// Keys and values of the tokens seen so far, per layer: `[batch, n_head_kv, len, head_dim]`.
-#[derive(Debug, Clone)]
-pub struct KvCache<B: Backend> {
-    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
-    len: usize,
-}
-
-impl<B: Backend> KvCache<B> {
-    pub fn new(n_layer: usize) -> Self {
-        KvCache {
-            layers: vec![None; n_layer],
-            len: 0,
-        }
-    }
-
-    /// Tokens held.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Count `t` new tokens as held (after every layer appended them).
-    pub(crate) fn advance(&mut self, t: usize) {
-        self.len += t;
-    }
-
-    /// Append this step's keys and values for `layer`; returns everything held for it.
-    pub(crate) fn append(
-        &mut self,
-        layer: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let kv = match self.layers[layer].take() {
-            None => (k, v),
-            Some((pk, pv)) => (Tensor::cat(vec![pk, k], 2), Tensor::cat(vec![pv, v], 2)),
-        };
-        self.layers[layer] = Some(kv.clone());
-        kv
-    }
-}
-
-/// Context for one forward pass: where the new tokens sit and their RoPE tables.
-struct Step<B: Backend> {
-    /// `(cos, sin)` per RoPE angle set.
-    tables: Vec<(Tensor<B, 2>, Tensor<B, 2>)>,
-    past: usize,
-}
+/// The RoPE tables of one segment's new positions: `(cos, sin)` per RoPE angle set.
+type RopeTables<B> = Vec<(Tensor<B, 2>, Tensor<B, 2>)>;
 
 impl<B: ToyBackend> Transformer<B> {
     pub fn n_layer(&self) -> usize {
@@ -537,21 +489,32 @@ impl<B: ToyBackend> Transformer<B> {
         tokens: Tensor<B, 2, Int>,
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
-        let [_, t] = tokens.dims();
+        let t = tokens.dims()[1];
+        self.forward_segments(tokens, &mut cache::segments(vec![cache], &[t]))
+    }
+
+    /// Run several sequences in one pass: `tokens[1, T]` holds each segment's new tokens one
+    /// after another ([`crate::cache`]). Returns the final hidden states `[1, T, d_model]`;
+    /// with one segment, `tokens` may have any batch size.
+    pub fn forward_segments(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        segments: &mut [Segment<'_, B>],
+    ) -> Tensor<B, 3> {
         let device = tokens.device();
-        let past = cache.len;
-        let table = |rope: &RopeAngles| {
-            let (cos, sin) = rope.cos_sin(past as i64..(past + t) as i64);
-            let half = cos.len() / t;
-            // f32 tables whatever the activation type: the angles need the precision.
-            let f32_table =
-                |v| Tensor::from_data(TensorData::new(v, [t, half]), (&device, DType::F32));
-            (f32_table(cos), f32_table(sin))
+        let tables = |s: &Segment<'_, B>| -> RopeTables<B> {
+            let (past, t) = (s.past, s.len);
+            let table = |rope: &RopeAngles| {
+                let (cos, sin) = rope.cos_sin(past as i64..(past + t) as i64);
+                let half = cos.len() / t;
+                // f32 tables whatever the activation type: the angles need the precision.
+                let f32_table =
+                    |v| Tensor::from_data(TensorData::new(v, [t, half]), (&device, DType::F32));
+                (f32_table(cos), f32_table(sin))
+            };
+            self.ropes.iter().map(table).collect()
         };
-        let step = Step {
-            tables: self.ropes.iter().map(table).collect(),
-            past,
-        };
+        let tables: Vec<RopeTables<B>> = segments.iter().map(tables).collect();
         B::run_pass(|| {
             let mut x = self.token_embd.forward(tokens);
             // A packed table's rows come out f32; the model may run in f16 (`--dtype f16`).
@@ -563,9 +526,9 @@ impl<B: ToyBackend> Transformer<B> {
                 x = x.mul_scalar(s);
             }
             for (i, block) in self.blocks.iter().enumerate() {
-                x = block.forward(x, i, cache, &step, self);
+                x = block.forward(x, i, segments, &tables, self);
             }
-            cache.advance(t);
+            cache::advance(segments);
             rms_norm(&self.output_norm, x)
         })
     }
@@ -669,8 +632,8 @@ impl<B: ToyBackend> Block<B> {
         &self,
         x: Tensor<B, 3>,
         layer: usize,
-        cache: &mut KvCache<B>,
-        step: &Step<B>,
+        segments: &mut [Segment<'_, B>],
+        tables: &[RopeTables<B>],
         model: &Transformer<B>,
     ) -> Tensor<B, 3> {
         let post = |norm: &Option<RmsNorm<B>>, y: Tensor<B, 3>| match norm {
@@ -681,8 +644,8 @@ impl<B: ToyBackend> Block<B> {
         let a = self.attn.forward(
             rms_norm(&self.attn_norm, x.clone()),
             layer,
-            cache,
-            step,
+            segments,
+            tables,
             model,
             lora,
         );
@@ -704,19 +667,19 @@ impl<B: ToyBackend> Attention<B> {
         &self,
         x: Tensor<B, 3>,
         layer: usize,
-        cache: &mut KvCache<B>,
-        step: &Step<B>,
+        segments: &mut [Segment<'_, B>],
+        tables: &[RopeTables<B>],
         model: &Transformer<B>,
         lora: Option<&BlockLora<B>>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let adapter = |target: Target| lora.and_then(|l| l.get(target));
-        // Project (+ bias), split into heads (+ per-head norm), heads before tokens.
-        let heads = |w: &QLinear<B>,
-                     adapter,
-                     bias: &Option<Param<Tensor<B, 1>>>,
-                     norm: &Option<RmsNorm<B>>,
-                     n: usize| {
+        // Project (+ bias, + norm) every row at once; the norms are per token (or per head).
+        let project_normed = |w: &QLinear<B>,
+                              adapter,
+                              bias: &Option<Param<Tensor<B, 1>>>,
+                              norm: &Option<RmsNorm<B>>,
+                              n: usize| {
             let mut y = project(w, adapter, x.clone());
             if let Some(bias) = bias {
                 y = y + bias.val().unsqueeze::<3>();
@@ -732,61 +695,74 @@ impl<B: ToyBackend> Attention<B> {
                 }
                 _ => {}
             }
-            Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(B::split_heads(
-                y.into_primitive().tensor(),
-                n,
-            )))
+            y
         };
-        let q = heads(
+        let q_all = project_normed(
             &self.wq,
             adapter(Target::Q),
             &self.bq,
             &self.q_norm,
             self.n_head,
         );
-        let k = heads(
+        let k_all = project_normed(
             &self.wk,
             adapter(Target::K),
             &self.bk,
             &self.k_norm,
             self.n_head_kv,
         );
-        let v = heads(
+        let v_all = project_normed(
             &self.wv,
             adapter(Target::V),
             &self.bv,
             &None,
             self.n_head_kv,
         );
-        let (mut q, k) = match self.rope_set {
-            Some(set) => (
-                self.rope(q, &step.tables[set], model),
-                self.rope(k, &step.tables[set], model),
-            ),
-            None => (q, k),
+        // RoPE and attention per sequence: its positions, its cache.
+        let n_segments = segments.len();
+        let heads = |y: Tensor<B, 3>, n: usize| {
+            Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(B::split_heads(
+                y.into_primitive().tensor(),
+                n,
+            )))
         };
-        let (k, v) = cache.append(layer, k, v);
-        let scale = match self.query_scale {
-            Some(s) => {
-                q = q.mul_scalar(s);
-                1.0
-            }
-            None => self.kq_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
-        };
-        let options = AttentionOptions {
-            scale,
-            q_offset: step.past,
-            window: self.window,
-            softcap: self.softcap,
-        };
-        let out = <B as ToyBackend>::attention(
-            q.into_primitive().tensor(),
-            k.into_primitive().tensor(),
-            v.into_primitive().tensor(),
-            options,
-        );
-        let out: Tensor<B, 3> = Tensor::from_primitive(TensorPrimitive::Float(B::merge_heads(out)));
-        project(&self.wo, adapter(Target::O), out)
+        let mut outs = Vec::with_capacity(n_segments);
+        for (segment, tables) in segments.iter_mut().zip(tables) {
+            let q = heads(cache::rows(&q_all, segment, n_segments), self.n_head);
+            let k = heads(cache::rows(&k_all, segment, n_segments), self.n_head_kv);
+            let v = heads(cache::rows(&v_all, segment, n_segments), self.n_head_kv);
+            let (mut q, k) = match self.rope_set {
+                Some(set) => (
+                    self.rope(q, &tables[set], model),
+                    self.rope(k, &tables[set], model),
+                ),
+                None => (q, k),
+            };
+            let (k, v) = segment.cache.append(layer, k, v);
+            let scale = match self.query_scale {
+                Some(s) => {
+                    q = q.mul_scalar(s);
+                    1.0
+                }
+                None => self.kq_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
+            };
+            let options = AttentionOptions {
+                scale,
+                q_offset: segment.past,
+                window: self.window,
+                softcap: self.softcap,
+            };
+            let out = <B as ToyBackend>::attention(
+                q.into_primitive().tensor(),
+                k.into_primitive().tensor(),
+                v.into_primitive().tensor(),
+                options,
+            );
+            outs.push(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(
+                B::merge_heads(out),
+            )));
+        }
+        project(&self.wo, adapter(Target::O), cache::join(outs))
     }
 
     fn rope(

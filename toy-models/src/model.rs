@@ -8,8 +8,9 @@ use toy_core::config::{ModelConfig, NormKind};
 use toy_core::gguf::GgufFile;
 use toy_kernels::ToyBackend;
 
+use crate::cache::{self, KvCache};
 use crate::gpt2::{Gpt2, load_gpt2};
-use crate::llama::{KvCache, Transformer};
+use crate::llama::Transformer;
 use crate::load::{LoadError, load};
 
 /// A causal language model with a KV cache.
@@ -22,6 +23,12 @@ pub trait CausalLm<B: ToyBackend> {
     fn forward(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3>;
     /// Logits `[batch, vocab]` of the last new position only.
     fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2>;
+    /// Continuous batching: logits `[n, vocab]` of the last new token of each of `n` sequences,
+    /// `tokens[i]` (at least one) run after what `caches[i]` holds, all in one forward pass
+    /// (prompt chunks and decode steps alike). Each sequence's logits are those it would get alone
+    /// wherever the backend computes a matmul's rows independently of their number (the CPU
+    /// kernels for quantized weights do).
+    fn forward_batch_last(&self, tokens: &[&[u32]], caches: Vec<&mut KvCache<B>>) -> Tensor<B, 2>;
     fn new_cache(&self) -> KvCache<B>;
     /// Mean next-token cross-entropy of `tokens[b, t]` (from an empty cache) against
     /// `targets[b, t]`: what training minimizes, without the `[b·t, vocab]` logits where the
@@ -41,6 +48,15 @@ impl<B: ToyBackend> CausalLm<B> for Transformer<B> {
     }
     fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
         Transformer::forward_last(self, tokens, cache)
+    }
+    fn forward_batch_last(&self, tokens: &[&[u32]], caches: Vec<&mut KvCache<B>>) -> Tensor<B, 2> {
+        let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let mut segments = cache::segments(caches, &lens);
+        let ids = cache::batch_tokens(tokens, &self.device());
+        // Each sequence's rows computed as they would be alone (`ToyBackend::with_row_groups`).
+        let h = B::with_row_groups(&lens, || self.forward_segments(ids, &mut segments));
+        let last = cache::last_rows(h, &segments);
+        B::with_row_groups(&vec![1; lens.len()], || self.logits(last))
     }
     fn new_cache(&self) -> KvCache<B> {
         Transformer::new_cache(self)
@@ -65,6 +81,14 @@ impl<B: ToyBackend> CausalLm<B> for Gpt2<B> {
     }
     fn forward_last(&self, tokens: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 2> {
         Gpt2::forward_last(self, tokens, cache)
+    }
+    fn forward_batch_last(&self, tokens: &[&[u32]], caches: Vec<&mut KvCache<B>>) -> Tensor<B, 2> {
+        let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let mut segments = cache::segments(caches, &lens);
+        let ids = cache::batch_tokens(tokens, &self.device());
+        let h = B::with_row_groups(&lens, || self.forward_segments(ids, &mut segments));
+        let last = cache::last_rows(h, &segments);
+        B::with_row_groups(&vec![1; lens.len()], || self.output.forward(last))
     }
     fn new_cache(&self) -> KvCache<B> {
         Gpt2::new_cache(self)
@@ -104,6 +128,12 @@ impl<B: ToyBackend> CausalLm<B> for Model<B> {
         match self {
             Model::Llama(m) => m.forward_last(tokens, cache),
             Model::Gpt2(m) => m.forward_last(tokens, cache),
+        }
+    }
+    fn forward_batch_last(&self, tokens: &[&[u32]], caches: Vec<&mut KvCache<B>>) -> Tensor<B, 2> {
+        match self {
+            Model::Llama(m) => m.forward_batch_last(tokens, caches),
+            Model::Gpt2(m) => m.forward_batch_last(tokens, caches),
         }
     }
     fn new_cache(&self) -> KvCache<B> {

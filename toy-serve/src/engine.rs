@@ -1,12 +1,19 @@
 //! The generation engine: the model lives on one dedicated thread; HTTP handlers send it jobs
 //! over a channel and get tokens back over per-request channels.
 //!
-//! Scheduling: up to `max_concurrency` sequences are active at once, each with its own KV
-//! cache. The engine goes round the active sequences and gives each one forward pass per turn
-//! (a prefill chunk of at most [`PREFILL_CHUNK`] tokens, or one decode step), so a long prompt
-//! cannot starve the others and every stream advances at the same pace. Jobs beyond that wait
-//! in arrival order. A sequence whose receiver is gone (the client disconnected, the handler
-//! was dropped) is removed before its next forward pass: its slot is free at once.
+//! Scheduling (continuous batching, as llama-server's unified batch): up to `max_concurrency`
+//! sequences are active at once, each with its own KV cache. Each turn is **one forward pass
+//! over all of them**: a decode token for every generating sequence, plus whole prompt chunks
+//! ([`PREFILL_CHUNK`] tokens, the last shorter) of the ones still reading their prompt while
+//! they fit in `batch_tokens` (the first always goes) — decode tokens first, so a long prompt
+//! cannot stall the streams. Decode is bound by reading the weights, so a pass over many
+//! sequences costs little more than a pass over one. Each sequence's logits are those it gets
+//! alone — its rows are declared to the kernels (`CausalLm::forward_batch_last`) and its prompt
+//! runs in `toy infer`'s pieces — so its tokens are `toy infer`'s. Jobs
+//! beyond `max_concurrency` wait in arrival order. A sequence whose receiver is gone (the
+//! client disconnected, the handler was dropped) is removed before the next pass: its slot is
+//! free at once. Prompts scored for `echo` + `logprobs` need every position's logits and run
+//! on their own pass.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -26,8 +33,9 @@ use toy_models::{CausalLm, KvCache, Model};
 
 use crate::state::Shared;
 
-/// Most prompt tokens one sequence runs in one turn (then the others get theirs).
-pub const PREFILL_CHUNK: usize = 256;
+/// Prompt tokens one sequence runs in one pass, as `toy infer` does (so that its numbers are
+/// `toy infer`'s whatever else is in the pass).
+pub const PREFILL_CHUNK: usize = toy_models::PROMPT_CHUNK;
 /// Prompt chunk when every position's logits are needed (echo with logprobs): `vocab × chunk`
 /// floats come to the host.
 const SCORE_CHUNK: usize = 32;
@@ -164,6 +172,8 @@ pub struct EngineConfig {
     /// `--ctx` (None: the model's context length).
     pub ctx: Option<usize>,
     pub max_concurrency: usize,
+    /// Most tokens in one forward pass (`--batch-tokens`; decode tokens count one each).
+    pub batch_tokens: usize,
     /// `--chat-template-file`: replaces the model's chat template.
     pub chat_template: Option<String>,
 }
@@ -194,6 +204,7 @@ pub fn run<B: ToyBackend>(
         tokenizer: &info.tokenizer,
         shared: &shared,
         max_concurrency: config.max_concurrency.max(1),
+        batch_tokens: config.batch_tokens.max(1),
         queue: VecDeque::new(),
         active: Vec::new(),
     }
@@ -251,6 +262,7 @@ struct Engine<'m, B: ToyBackend> {
     tokenizer: &'m Tokenizer,
     shared: &'m Shared,
     max_concurrency: usize,
+    batch_tokens: usize,
     queue: VecDeque<(Job, Instant)>,
     active: Vec<Sequence<'m, B>>,
 }
@@ -319,34 +331,101 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
         }
     }
 
-    /// One forward pass for every active sequence, in order.
+    /// One forward pass for all active sequences: each generating one samples its next token
+    /// and contributes it, prompt chunks fill the rest of the token budget.
     fn turn(&mut self) {
-        let mut i = 0;
-        while i < self.active.len() {
-            let seq = &mut self.active[i];
+        let tokenizer = self.tokenizer;
+        let model = self.model;
+        let metrics = &self.shared.metrics;
+        // What each active sequence puts in this pass (index into `active`, its tokens).
+        let mut batch: Vec<(usize, Vec<u32>)> = Vec::new();
+        let mut prompts = Vec::new();
+        let mut ended: Vec<(usize, Result<(), String>)> = Vec::new();
+        for (i, seq) in self.active.iter_mut().enumerate() {
             if seq.tx.is_closed() {
-                self.active.swap_remove(i);
-                self.shared.metrics.cancelled(1);
+                ended.push((i, Err(String::new())));
                 continue;
             }
-            let model = self.model;
-            let tokenizer = self.tokenizer;
-            let metrics = &self.shared.metrics;
-            let outcome = catch_unwind(AssertUnwindSafe(|| seq.step(model, tokenizer, metrics)))
-                .unwrap_or_else(|_| Err("the model panicked during generation".into()));
-            match outcome {
-                Ok(false) => i += 1,
-                Ok(true) => {
-                    let seq = self.active.swap_remove(i);
-                    self.shared.metrics.finished(&seq);
+            let next = catch_unwind(AssertUnwindSafe(|| seq.next(tokenizer, metrics)))
+                .unwrap_or_else(|_| Err("the sampler panicked".into()));
+            match next {
+                Ok(Next::Finished) => ended.push((i, Ok(()))),
+                Ok(Next::Decode(id)) => batch.push((i, vec![id])),
+                Ok(Next::Prompt) => prompts.push(i),
+                Ok(Next::Score) => {
+                    // Every position's logits: a pass of its own.
+                    let outcome =
+                        catch_unwind(AssertUnwindSafe(|| seq.score_chunk(model, metrics)))
+                            .unwrap_or_else(|_| Err("the model panicked during the prompt".into()));
+                    if let Err(e) = outcome {
+                        ended.push((i, Err(e)));
+                    }
                 }
+                Err(e) => ended.push((i, Err(e))),
+            }
+        }
+        // Whole prompt chunks, in arrival order, while they fit in the budget: a chunk is never
+        // cut to fit (a prompt runs in the same pieces under any load). The first one always
+        // goes, so that prompts move on however many sequences decode.
+        let mut budget = self.batch_tokens.saturating_sub(batch.len());
+        for (n, i) in prompts.into_iter().enumerate() {
+            let chunk = self.active[i].prompt_chunk(PREFILL_CHUNK);
+            if n > 0 && chunk.len() > budget {
+                break;
+            }
+            budget = budget.saturating_sub(chunk.len());
+            batch.push((i, chunk));
+        }
+        if !batch.is_empty() {
+            if let Err(e) = self.pass(&batch) {
+                ended.extend(batch.iter().map(|(i, _)| (*i, Err(e.clone()))));
+            }
+        }
+        // Remove the ended ones, highest index first so the others keep theirs.
+        ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        ended.dedup_by_key(|(i, _)| *i);
+        for (i, outcome) in ended {
+            let seq = self.active.swap_remove(i);
+            match outcome {
+                Ok(()) => self.shared.metrics.finished(&seq),
+                Err(message) if message.is_empty() => self.shared.metrics.cancelled(1),
                 Err(message) => {
-                    let seq = self.active.swap_remove(i);
                     let _ = seq.tx.send((seq.params.index, GenEvent::Error(message)));
                     self.shared.metrics.failed(1);
                 }
             }
         }
+    }
+
+    /// Run `batch` (index into `active`, new tokens) as one forward pass and hand each sequence
+    /// its logits.
+    fn pass(&mut self, batch: &[(usize, Vec<u32>)]) -> Result<(), String> {
+        let model = self.model;
+        let tokens: Vec<&[u32]> = batch.iter().map(|(_, t)| t.as_slice()).collect();
+        let mut in_batch = vec![false; self.active.len()];
+        batch.iter().for_each(|(i, _)| in_batch[*i] = true);
+        // `batch` lists decode tokens before prompt chunks, not in `active` order: line the
+        // caches up with it.
+        let mut caches: Vec<Option<&mut KvCache<B>>> = self
+            .active
+            .iter_mut()
+            .zip(&in_batch)
+            .map(|(s, &used)| used.then_some(&mut s.cache))
+            .collect();
+        let caches: Vec<&mut KvCache<B>> = batch
+            .iter()
+            .map(|(i, _)| caches[*i].take().expect("each sequence once per pass"))
+            .collect();
+        let logits = catch_unwind(AssertUnwindSafe(|| {
+            host(model.forward_batch_last(&tokens, caches))
+        }))
+        .unwrap_or_else(|_| Err("the model panicked during generation".into()))?;
+        self.shared.metrics.pass(batch.len());
+        let vocab = logits.len() / batch.len();
+        for ((i, tokens), row) in batch.iter().zip(logits.chunks(vocab)) {
+            self.active[*i].take_logits(tokens.len(), row, &self.shared.metrics);
+        }
+        Ok(())
     }
 
     fn publish_gauges(&self) {
@@ -406,6 +485,18 @@ fn host<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, Stri
         .map_err(|e| format!("backend error: {e:?}"))
 }
 
+/// What a sequence puts in the next pass.
+enum Next {
+    /// It finished (its `Done` is sent); the slot is free.
+    Finished,
+    /// The token it just sampled.
+    Decode(u32),
+    /// Its next prompt chunk (as much as the pass has room for).
+    Prompt,
+    /// Its next prompt chunk with every position's logits, on a pass of its own.
+    Score,
+}
+
 /// One sequence being generated.
 pub(crate) struct Sequence<'t, B: ToyBackend> {
     pub(crate) params: GenParams,
@@ -455,26 +546,29 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         let _ = self.tx.send((self.params.index, event));
     }
 
-    /// One forward pass (a prompt chunk, or sampling a token and running it). Returns whether
-    /// the sequence is finished.
-    fn step(
+    /// What this sequence needs next: sample a token from the last logits (and run it), more
+    /// of its prompt, or nothing (it finished; [`GenEvent::Done`] is sent).
+    fn next(
         &mut self,
-        model: &Model<B>,
         tokenizer: &Tokenizer,
         metrics: &crate::metrics::Metrics,
-    ) -> Result<bool, String> {
+    ) -> Result<Next, String> {
         let prompt_len = self.params.prompt.len();
         if self.params.max_tokens == 0 && !self.params.prompt_logprobs {
             // Nothing to generate and nothing to score.
             self.finish(FinishReason::Length);
-            return Ok(true);
+            return Ok(Next::Finished);
         }
         if self.prefilled < prompt_len {
-            return self.prefill(model, metrics);
+            return Ok(if self.params.prompt_logprobs {
+                Next::Score
+            } else {
+                Next::Prompt
+            });
         }
         if self.params.max_tokens == 0 {
             self.finish(FinishReason::Length);
-            return Ok(true);
+            return Ok(Next::Finished);
         }
         let Some(mut logits) = self.logits.take() else {
             return Err("internal error: no logits after the prompt".into());
@@ -492,7 +586,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         let id = self.sampler.sample(&logits, &self.generated);
         if !self.params.ignore_eos && tokenizer.is_eog(id) {
             self.finish(FinishReason::Stop);
-            return Ok(true);
+            return Ok(Next::Finished);
         }
         self.generated.push(id);
         metrics.generated_tokens(1);
@@ -505,58 +599,65 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         self.send(GenEvent::Token { id, text, logprob });
         if stopped {
             self.finish(FinishReason::Stop);
-            return Ok(true);
+            return Ok(Next::Finished);
         }
         if self.generated.len() >= self.params.max_tokens {
             self.finish(FinishReason::Length);
-            return Ok(true);
+            return Ok(Next::Finished);
         }
-        let logits = model.forward_last(ids_tensor(model, &[id]), &mut self.cache);
-        self.logits = Some(host(logits)?);
-        Ok(false)
+        Ok(Next::Decode(id))
     }
 
-    fn prefill(
+    /// The next at most `most` prompt tokens not yet in the cache.
+    fn prompt_chunk(&self, most: usize) -> Vec<u32> {
+        let prompt = &self.params.prompt;
+        let end = (self.prefilled + most).min(prompt.len());
+        prompt[self.prefilled..end].to_vec()
+    }
+
+    /// After a pass that ran `n` new tokens of this sequence: `logits` are its last token's.
+    fn take_logits(&mut self, n: usize, logits: &[f32], metrics: &crate::metrics::Metrics) {
+        if self.prefilled < self.params.prompt.len() {
+            self.prefilled += n;
+            metrics.prompt_tokens(n);
+            if self.prefilled < self.params.prompt.len() {
+                return; // a middle chunk: only the cache matters
+            }
+        }
+        self.logits = Some(logits.to_vec());
+    }
+
+    /// Run the next prompt chunk alone, keeping every position's log-probability (`echo` with
+    /// `logprobs`).
+    fn score_chunk(
         &mut self,
         model: &Model<B>,
         metrics: &crate::metrics::Metrics,
-    ) -> Result<bool, String> {
+    ) -> Result<(), String> {
         let prompt = &self.params.prompt;
         let start = self.prefilled;
-        let scoring = self.params.prompt_logprobs;
-        let chunk = if scoring { SCORE_CHUNK } else { PREFILL_CHUNK };
-        let end = (start + chunk).min(prompt.len());
+        let end = (start + SCORE_CHUNK).min(prompt.len());
         let last = end == prompt.len();
         let tokens = ids_tensor(model, &prompt[start..end]);
-        if scoring {
-            if start == 0 {
-                self.prompt_logprobs.push(None);
+        if start == 0 {
+            self.prompt_logprobs.push(None);
+        }
+        let logits = host(model.forward(tokens, &mut self.cache))?;
+        let vocab = logits.len() / (end - start);
+        let k = self.params.logprobs.unwrap_or(0);
+        for (row, pos) in logits.chunks(vocab).zip(start..end) {
+            if let Some(&next) = prompt.get(pos + 1) {
+                self.prompt_logprobs.push(Some(token_logprob(row, next, k)));
             }
-            let logits = host(model.forward(tokens, &mut self.cache))?;
-            let vocab = logits.len() / (end - start);
-            let k = self.params.logprobs.unwrap_or(0);
-            for (row, pos) in logits.chunks(vocab).zip(start..end) {
-                if let Some(&next) = prompt.get(pos + 1) {
-                    self.prompt_logprobs.push(Some(token_logprob(row, next, k)));
-                }
-            }
-            if last {
-                let tail = logits[logits.len() - vocab..].to_vec();
-                self.logits = Some(tail);
-            }
-        } else if last {
-            self.logits = Some(host(model.forward_last(tokens, &mut self.cache))?);
-        } else {
-            // Only the cache matters for a middle chunk.
-            let _ = model.forward_hidden(tokens, &mut self.cache);
         }
         metrics.prompt_tokens(end - start);
         self.prefilled = end;
-        if last && scoring {
+        if last {
+            self.logits = Some(logits[logits.len() - vocab..].to_vec());
             let lps = std::mem::take(&mut self.prompt_logprobs);
             self.send(GenEvent::PromptLogprobs(lps));
         }
-        Ok(false)
+        Ok(())
     }
 
     fn finish(&mut self, reason: FinishReason) {

@@ -36,8 +36,10 @@ pub struct ServeOptions {
     /// 0 picks a free port (the URL printed says which).
     pub port: u16,
     pub api_key: Option<String>,
-    /// Sequences generated at once.
+    /// Sequences generated at once (`--parallel`), batched into one forward pass per step.
     pub max_concurrency: usize,
+    /// Most tokens in one forward pass (decode tokens and prompt chunks together).
+    pub batch_tokens: usize,
     /// Requests that may wait for a slot before new ones get 429.
     pub max_queue: usize,
     /// Context per request (None: the model's).
@@ -69,8 +71,10 @@ pub enum ServeError {
     },
     #[error("{0}")]
     Model(String),
-    #[error("--max-concurrency must be at least 1")]
+    #[error("--parallel must be at least 1")]
     Concurrency,
+    #[error("--batch-tokens must be at least 1")]
+    BatchTokens,
 }
 
 /// Serve `options.model` on backend `B` until SIGINT/SIGTERM. Prints
@@ -78,6 +82,9 @@ pub enum ServeError {
 pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<(), ServeError> {
     if options.max_concurrency == 0 {
         return Err(ServeError::Concurrency);
+    }
+    if options.batch_tokens == 0 {
+        return Err(ServeError::BatchTokens);
     }
     let model_id = options.model_id.clone().unwrap_or_else(|| {
         options
@@ -126,6 +133,7 @@ pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<
         model_id,
         ctx: options.ctx,
         max_concurrency: options.max_concurrency,
+        batch_tokens: options.batch_tokens,
         chat_template: options.chat_template.clone(),
     };
     let engine_shared = shared.clone();
@@ -193,6 +201,7 @@ async fn run_server(
                 "address": addr.to_string(),
                 "context": info.context,
                 "max_concurrency": options.max_concurrency,
+                "batch_tokens": options.batch_tokens,
                 "max_queue": options.max_queue,
                 "toy_version": env!("CARGO_PKG_VERSION"),
             }),

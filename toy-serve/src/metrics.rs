@@ -74,6 +74,8 @@ pub struct Metrics {
     sequences_finished: AtomicU64,
     sequences_cancelled: AtomicU64,
     sequences_failed: AtomicU64,
+    passes: AtomicU64,
+    pass_sequences: AtomicU64,
     active: AtomicUsize,
     queued: AtomicUsize,
 }
@@ -85,6 +87,13 @@ impl Metrics {
 
     pub fn generated_tokens(&self, n: usize) {
         self.generated_tokens.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// A forward pass over `sequences` sequences (continuous batching).
+    pub fn pass(&self, sequences: usize) {
+        self.passes.fetch_add(1, Ordering::Relaxed);
+        self.pass_sequences
+            .fetch_add(sequences as u64, Ordering::Relaxed);
     }
 
     pub fn cancelled(&self, n: u64) {
@@ -202,6 +211,18 @@ impl Metrics {
             "toy_sequences_failed_total",
             "Sequences that ended in an error.",
             load(&self.sequences_failed),
+        );
+        counter(
+            &mut out,
+            "toy_batch_passes_total",
+            "Forward passes run for generation (each carries every active sequence).",
+            load(&self.passes),
+        );
+        counter(
+            &mut out,
+            "toy_batch_sequences_total",
+            "Sequences summed over those passes (divided by the passes: the mean batch).",
+            load(&self.pass_sequences),
         );
         gauge(
             &mut out,

@@ -30,6 +30,7 @@ use toy_quant::{IQ4_GRID, f32_to_bf16};
 
 use super::qmatmul::{QuantRow, quantize_row, transpose_columns};
 use super::reduce::{hsum8, reduce_add16, reduce_f32x8};
+use super::row_groups;
 use super::{GgmlIsa, ggml_isa};
 use crate::packed::{BLOCK, GgmlType, HostPackedView, QK_K, row_bytes};
 
@@ -834,21 +835,43 @@ fn dot_impl() -> fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 {
 /// Activation rows per block of a matmul's loop (see `matmul`).
 pub(super) const ROW_BLOCK: usize = 16;
 
-/// `x[m, k] · Wᵀ` for a blocks-layout weight.
+/// `x[m, k] · Wᵀ` for a blocks-layout weight. Each row takes llama.cpp's path for its place
+/// among `m` rows — or among its own sequence's rows, where a batched pass declared them
+/// (`row_groups`).
 pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bool) -> Vec<f32> {
     let (k, n, ty) = (w.cols, w.rows, w.ty);
     let isa = ggml_isa();
     let repacked = repacked(ty, n, repackable);
-    let dot: fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 = dot_impl();
-    let half = matches!(ty, GgmlType::F16 | GgmlType::BF16);
-    if half && super::tinyblas::applies(m, n, k, isa) {
-        return half_tinyblas(x, m, w, isa);
+    let groups = row_groups::for_rows(m);
+    if matches!(ty, GgmlType::F16 | GgmlType::BF16) {
+        // (Where tinyBLAS declines its shape, ggml takes the per-output `vec_dot`: VecDot.)
+        let vec_dot = |x: &[f32], m: usize| matmul_forms(x, m, w, &vec![Form::VecDot; m]);
+        let several = |x: &[f32], m: usize| match super::tinyblas::applies(m, n, k, isa) {
+            true => half_tinyblas(x, m, w, isa),
+            false => vec_dot(x, m),
+        };
+        return match groups {
+            Some(groups) => row_groups::split_single_rows(x, k, n, &groups, vec_dot, several),
+            None => several(x, m),
+        };
     }
-    // (Where tinyBLAS declines its shape, ggml takes the per-output `vec_dot`: `form`'s VecDot.)
-    let forms: Vec<Form> = (0..m).map(|i| form(ty, repacked, i, m)).collect();
+    let forms: Vec<Form> = match groups {
+        Some(groups) => row_groups::positions(&groups)
+            .map(|(i, m)| form(ty, repacked, i, m))
+            .collect(),
+        None => (0..m).map(|i| form(ty, repacked, i, m)).collect(),
+    };
+    matmul_forms(x, m, w, &forms)
+}
+
+/// `x[m, k] · Wᵀ` with row `i` computed in form `forms[i]`.
+fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> Vec<f32> {
+    let (k, n, ty) = (w.cols, w.rows, w.ty);
+    let isa = ggml_isa();
+    let dot: fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 = dot_impl();
     let acts: Vec<ActRow> = x
         .par_chunks_exact(k)
-        .zip(&forms)
+        .zip(forms)
         .map(|(x, &f)| activation(ty, x, f))
         .collect();
     const COLS: usize = 16;

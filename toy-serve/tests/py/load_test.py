@@ -10,7 +10,9 @@ Usage:
   load_test.py BASE_URL --bench [--key KEY] [--clients 32] [--requests 4] [--max-tokens 16]
       Only well-formed chat requests (half streamed), for comparing servers (toy, llama-server).
 
-Prints one JSON object with requests/s and latency percentiles; exit status 1 on any failure.
+Prints one JSON object with requests/s, completion tokens/s (non-streamed: `usage`; streamed:
+content events, one per token on both servers) and latency / time-to-first-token percentiles
+(time to first token: the streamed requests' first content event); exit status 1 on any failure.
 """
 
 import argparse
@@ -75,6 +77,30 @@ def chat_body(prompt, stream):
     return b
 
 
+def stream_request(body, timeout=300):
+    """POST a streamed chat request; (status, headers, raw body, seconds to the first content event)."""
+    c = http.client.HTTPConnection(HOST, PORT, timeout=timeout)
+    try:
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers=headers())
+        r = c.getresponse()
+        raw, ttft = [], None
+        while True:
+            line = r.fp.readline()
+            if not line:
+                break
+            raw.append(line)
+            if ttft is None and line.startswith(b"data: {") and b'"content":"' in line:
+                ttft = time.perf_counter() - t0
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, b"".join(raw), ttft
+    finally:
+        c.close()
+
+
+def sse_events(raw):
+    return [l[6:] for l in raw.decode().split("\n") if l.startswith("data: ") and l[6:] != "[DONE]"]
+
+
 def sse_text(raw):
     text, done = [], False
     for line in raw.decode().split("\n"):
@@ -123,20 +149,22 @@ if args.bench:
 
 
 def one(kind, prompt):
-    """Run one request of `kind`; returns True for a well-formed generation request."""
+    """Run one request of `kind`; for a well-formed generation request returns
+    (completion tokens, seconds to the first token or None), else None."""
     if kind == "chat":
         s, _, b = request("POST", "/v1/chat/completions", chat_body(prompt, False))
         assert s == 200, f"chat {s} {b[:300]}"
         j = json.loads(b)
         got = j["choices"][0]["message"]["content"]
         assert args.bench or got == reference[prompt], f"chat under load {got!r} != alone {reference[prompt]!r}"
-        return True
+        return j.get("usage", {}).get("completion_tokens", 0), None
     if kind == "stream":
-        s, h, b = request("POST", "/v1/chat/completions", chat_body(prompt, True))
+        s, h, b, ttft = stream_request(chat_body(prompt, True))
         assert s == 200 and h.get("content-type", "").startswith("text/event-stream"), f"stream {s} {h}"
         got = sse_text(b)
         assert args.bench or got == reference[prompt], f"stream under load {got!r} != alone {reference[prompt]!r}"
-        return True
+        tokens = sum(1 for e in sse_events(b) if '"content":"' in e and '"content":""' not in e)
+        return tokens, ttft
     if kind == "malformed":
         s, _, b = request("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"')
         assert s == 400 and json.loads(b)["error"]["type"] == "invalid_request_error", f"malformed {s} {b[:200]}"
@@ -173,11 +201,11 @@ def one(kind, prompt):
             got += part
         assert got.startswith(b"HTTP/1.1 200"), got[:100]
         sock.close()
-    return False
+    return None
 
 
 def wave():
-    latencies, errors, good = [], [], [0]
+    latencies, errors, good, tokens, ttfts = [], [], [0], [0], []
     lock = threading.Lock()
 
     def client(i):
@@ -186,11 +214,14 @@ def wave():
             prompt = PROMPTS[(i + r) % len(PROMPTS)]
             t0 = time.perf_counter()
             try:
-                ok = one(kind, prompt)
+                gen = one(kind, prompt)
                 dt = time.perf_counter() - t0
                 with lock:
-                    if ok:
+                    if gen is not None:
                         latencies.append(dt)
+                        tokens[0] += gen[0]
+                        if gen[1] is not None:
+                            ttfts.append(gen[1])
                     good[0] += 1
             except Exception as e:  # noqa: BLE001 — every failure is reported
                 with lock:
@@ -203,7 +234,7 @@ def wave():
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return latencies, errors, good[0], wall
+    return latencies, errors, good[0], wall, tokens[0], ttfts
 
 
 def pct(xs, q):
@@ -215,7 +246,7 @@ results, failures, rss = [], [], []
 if args.pid:
     rss.append(rss_kib(args.pid))
 for w in range(args.waves):
-    lat, errs, answered, wall = wave()
+    lat, errs, answered, wall, tokens, ttfts = wave()
     failures += errs
     if args.pid:
         rss.append(rss_kib(args.pid))
@@ -226,6 +257,10 @@ for w in range(args.waves):
         "generation_requests_per_s": round(len(lat) / wall, 2),
         "p50_s": round(statistics.median(lat), 3) if lat else None,
         "p99_s": round(pct(lat, 99), 3) if lat else None,
+        "completion_tokens": tokens,
+        "completion_tokens_per_s": round(tokens / wall, 1),
+        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "ttft_p99_s": round(pct(ttfts, 99), 3) if ttfts else None,
     })
 
 out = {"clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
