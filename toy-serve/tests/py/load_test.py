@@ -86,7 +86,9 @@ def stream_request(body, timeout=300):
         r = c.getresponse()
         raw, ttft = [], None
         while True:
-            line = r.fp.readline()
+            # The response's own readline: it decodes the chunked body and ends at its last
+            # chunk (the socket's would wait for the keep-alive connection to close).
+            line = r.readline()
             if not line:
                 break
             raw.append(line)
