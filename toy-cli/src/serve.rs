@@ -43,6 +43,11 @@ pub struct ServeArgs {
     /// chunks that fit what is left).
     #[arg(long, default_value_t = 512)]
     pub batch_tokens: usize,
+    /// MiB of keys and values kept from finished requests (the prefix cache, as llama-server's
+    /// --cache-ram): a request whose prompt starts like an earlier one (a shared system prompt,
+    /// the earlier turns of a chat) skips those tokens. Least recently used go first; 0: off.
+    #[arg(long, value_name = "MIB", default_value_t = 1024)]
+    pub cache_ram: usize,
     /// Requests that may wait for a free slot; beyond that new ones get 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -93,6 +98,7 @@ impl BackendJob for ServeJob {
             shutdown_grace: Duration::from_secs_f64(a.shutdown_grace.clamp(0.0, 3600.0)),
             backend: backend.name().to_string(),
             chat_template,
+            cache_ram_mib: a.cache_ram,
         };
         toy_serve::serve::<B>(options, device)?;
         Ok(())

@@ -407,6 +407,82 @@ fn sixteen_concurrent_greedy_chats_are_batched_and_equal_infer() {
     }
 }
 
+/// One greedy chat request; (reply text, usage, seconds).
+fn chat(addr: &str, messages: serde_json::Value, extra: serde_json::Value) -> (String, serde_json::Value, f64) {
+    let mut body = serde_json::json!({"messages": messages, "max_tokens": 12, "temperature": 0});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let t = Instant::now();
+    let (status, _, reply) = http(addr, "POST", "/v1/chat/completions", Some(KEY), &body.to_string());
+    let seconds = t.elapsed().as_secs_f64();
+    assert_eq!(status, 200, "{reply}");
+    let v: serde_json::Value = serde_json::from_str(&reply).expect("json");
+    let text = v["choices"][0]["message"]["content"].as_str().expect("content");
+    (text.to_string(), v["usage"].clone(), seconds)
+}
+
+/// The prefix cache: a second request with the same 1,000-token system prompt runs only its
+/// own tokens (usage says how many were cached, as OpenAI's `cached_tokens`), answers what it
+/// answers without the cache (`cache_prompt: false`), and so does the next turn of a chat.
+#[test]
+fn a_shared_system_prompt_is_read_once_and_answers_the_same() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&[]);
+    let addr = &server.addr;
+    let system: String = (1..=110)
+        .map(|i| format!("Rule {i}: answer in plain words."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let ask = |q: &str| serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": q},
+    ]);
+    let ran = || metric(addr, "toy_prompt_tokens_total");
+    let cached = |u: &serde_json::Value| u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+
+    let before = ran();
+    let (first, usage, _) = chat(addr, ask("What is the capital of France?"), serde_json::json!({}));
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 1000, "the system prompt is {prompt} tokens, want over 1,000");
+    assert_eq!(cached(&usage), 0);
+    assert_eq!(ran() - before, prompt as f64);
+
+    // Another question under the same system prompt: only the new tokens run.
+    let before = ran();
+    let (warm, usage, warm_s) = chat(addr, ask("Name three colors."), serde_json::json!({}));
+    let reused = cached(&usage);
+    let own = usage["prompt_tokens"].as_u64().unwrap() - reused;
+    assert!(reused > 1000 && own < 40, "{usage}");
+    assert_eq!(ran() - before, own as f64, "the cached tokens ran again");
+    assert_eq!(metric(addr, "toy_prompt_tokens_cached_total"), reused as f64);
+
+    // The same request without the cache: every token runs, the same answer.
+    let before = ran();
+    let (cold, usage, cold_s) = chat(addr, ask("Name three colors."), serde_json::json!({"cache_prompt": false}));
+    assert_eq!(cached(&usage), 0);
+    assert_eq!(ran() - before, usage["prompt_tokens"].as_u64().unwrap() as f64);
+    assert_eq!(warm, cold, "the answer depends on the prefix cache");
+    eprintln!(
+        "prefix cache: {reused} of {} prompt tokens reused; {warm_s:.2} s with, {cold_s:.2} s without ({:.1}x)",
+        reused + own,
+        cold_s / warm_s
+    );
+
+    // The next turn of the first chat reuses the whole first exchange.
+    let turn = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "And of Spain?"},
+    ]);
+    let (again, usage, _) = chat(addr, turn.clone(), serde_json::json!({}));
+    assert!(cached(&usage) >= prompt - 1, "{usage}");
+    let (fresh, _, _) = chat(addr, turn, serde_json::json!({"cache_prompt": false}));
+    assert_eq!(again, fresh);
+    assert!(metric(addr, "toy_prefix_cache_bytes") > 0.0);
+}
+
 #[test]
 fn load_test_32_clients_mixed_good_bad_and_disconnects() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

@@ -36,6 +36,25 @@ impl<B: Backend> KvCache<B> {
         }
     }
 
+    /// A cache from each layer's keys and values, `[batch, n_head_kv, len, head_dim]`, all of
+    /// the same `len` (restoring a saved cache; the prefix cache's tests).
+    pub fn from_layers(layers: Vec<(Tensor<B, 4>, Tensor<B, 4>)>) -> Self {
+        let len = layers.first().map_or(0, |(k, _)| k.dims()[2]);
+        assert!(
+            layers.iter().all(|(k, v)| k.dims()[2] == len && v.dims()[2] == len),
+            "every layer's keys and values hold the same tokens"
+        );
+        KvCache {
+            layers: layers.into_iter().map(Some).collect(),
+            len,
+        }
+    }
+
+    /// Layer `i`'s keys and values (None before the first token).
+    pub fn layer(&self, i: usize) -> Option<&(Tensor<B, 4>, Tensor<B, 4>)> {
+        self.layers.get(i)?.as_ref()
+    }
+
     /// Tokens held.
     pub fn len(&self) -> usize {
         self.len
@@ -43,6 +62,38 @@ impl<B: Backend> KvCache<B> {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// A cache of the first `n` tokens of this one (a prefix cache's hit). Shares nothing that
+    /// either side later changes: appending concatenates into new tensors.
+    pub fn prefix(&self, n: usize) -> Self {
+        assert!(n <= self.len, "prefix of {n} tokens from a cache of {}", self.len);
+        if n == self.len {
+            return self.clone();
+        }
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|kv| {
+                    let (k, v) = kv.as_ref()?;
+                    (n > 0).then(|| (k.clone().narrow(2, 0, n), v.clone().narrow(2, 0, n)))
+                })
+                .collect(),
+            len: n,
+        }
+    }
+
+    /// Bytes the keys and values take.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| {
+                k.shape().num_elements() * k.dtype().size()
+                    + v.shape().num_elements() * v.dtype().size()
+            })
+            .sum()
     }
 
     /// Count `t` new tokens as held (after every layer appended them).

@@ -33,7 +33,7 @@ pub struct StreamOptions {
 }
 
 /// Sampling fields shared by chat and completions (plus llama.cpp's extensions `top_k`,
-/// `min_p`, `repeat_penalty`, `ignore_eos`).
+/// `min_p`, `repeat_penalty`, `ignore_eos`, `cache_prompt`).
 #[derive(Debug, Clone, Deserialize, Default)]
 pub struct Sampling {
     pub temperature: Option<f32>,
@@ -50,6 +50,9 @@ pub struct Sampling {
     pub ignore_eos: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// llama-server's field: `false` runs the whole prompt (and keeps nothing for later
+    /// requests), for numbers that do not depend on what ran before.
+    pub cache_prompt: Option<bool>,
 }
 
 /// Sampling settings checked and turned into what the engine takes.
@@ -62,6 +65,7 @@ pub struct Checked {
     pub ignore_eos: bool,
     pub stream: bool,
     pub include_usage: bool,
+    pub cache_prompt: bool,
 }
 
 fn range(name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32) -> Result<f32, ApiError> {
@@ -156,6 +160,7 @@ impl Sampling {
                 .as_ref()
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
+            cache_prompt: self.cache_prompt.unwrap_or(true),
         })
     }
 }

@@ -14,6 +14,10 @@
 //! client disconnected, the handler was dropped) is removed before the next pass: its slot is
 //! free at once. Prompts scored for `echo` + `logprobs` need every position's logits and run
 //! on their own pass.
+//!
+//! A new sequence starts from the longest prefix of its prompt that a finished one left in
+//! the [`PrefixCache`] (a shared system prompt, the earlier turns of a chat); a finished or
+//! cancelled sequence leaves its keys and values there.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -31,6 +35,7 @@ use toy_core::tokenizer::{StreamDecoder, Tokenizer};
 use toy_kernels::ToyBackend;
 use toy_models::{CausalLm, KvCache, Model};
 
+use crate::prefix_cache::{Hit, PrefixCache};
 use crate::state::Shared;
 
 /// Prompt tokens one sequence runs in one pass, as `toy infer` does (so that its numbers are
@@ -73,6 +78,8 @@ pub struct GenParams {
     /// Log-probabilities of the prompt tokens too (completions with `echo`).
     pub prompt_logprobs: bool,
     pub ignore_eos: bool,
+    /// Start from the prefix cache, and leave this sequence's keys and values there.
+    pub cache_prompt: bool,
 }
 
 /// A token's log-probability under the model (log-softmax of the raw logits) and the most
@@ -105,6 +112,8 @@ impl FinishReason {
 pub struct Finish {
     pub reason: FinishReason,
     pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     /// Text still to show (held back by the stop-string check or an unfinished character).
     pub tail: String,
@@ -176,6 +185,8 @@ pub struct EngineConfig {
     pub batch_tokens: usize,
     /// `--chat-template-file`: replaces the model's chat template.
     pub chat_template: Option<String>,
+    /// Bytes of keys and values the prefix cache may keep (`--cache-ram`; 0: off).
+    pub cache_ram: usize,
 }
 
 /// The engine thread's body: load the model (reporting the outcome on `ready`), then serve jobs
@@ -207,6 +218,7 @@ pub fn run<B: ToyBackend>(
         batch_tokens: config.batch_tokens.max(1),
         queue: VecDeque::new(),
         active: Vec::new(),
+        prefix: PrefixCache::new(config.cache_ram),
     }
     .serve(&jobs);
 }
@@ -265,6 +277,7 @@ struct Engine<'m, B: ToyBackend> {
     batch_tokens: usize,
     queue: VecDeque<(Job, Instant)>,
     active: Vec<Sequence<'m, B>>,
+    prefix: PrefixCache<B>,
 }
 
 impl<'m, B: ToyBackend> Engine<'m, B> {
@@ -319,12 +332,20 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
                     let _ = tx.send(out);
                 }
                 Job::Generate { params, tx } => {
+                    // Scoring the prompt needs every position's logits: no reuse.
+                    let hit = (params.cache_prompt && !params.prompt_logprobs)
+                        .then(|| self.prefix.lookup(&params.prompt))
+                        .flatten();
+                    if let Some(hit) = &hit {
+                        self.shared.metrics.cached_tokens(hit.len);
+                    }
                     self.active.push(Sequence::new(
                         params,
                         tx,
                         enqueued,
                         self.tokenizer,
                         self.model,
+                        hit,
                     ));
                 }
             }
@@ -387,14 +408,36 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
         for (i, outcome) in ended {
             let seq = self.active.swap_remove(i);
             match outcome {
-                Ok(()) => self.shared.metrics.finished(&seq),
-                Err(message) if message.is_empty() => self.shared.metrics.cancelled(1),
+                Ok(()) => {
+                    self.shared.metrics.finished(&seq);
+                    self.keep_prefix(seq);
+                }
+                Err(message) if message.is_empty() => {
+                    self.shared.metrics.cancelled(1);
+                    self.keep_prefix(seq);
+                }
                 Err(message) => {
+                    // Its cache may hold a pass's keys in some layers only: not kept.
                     let _ = seq.tx.send((seq.params.index, GenEvent::Error(message)));
                     self.shared.metrics.failed(1);
                 }
             }
         }
+    }
+
+    /// Leave an ended sequence's keys and values in the prefix cache.
+    fn keep_prefix(&mut self, seq: Sequence<'m, B>) {
+        if !seq.params.cache_prompt {
+            return;
+        }
+        // The cache holds the prompt and every generated token but the last (sampled, not run);
+        // less of the prompt when cancelled while reading it.
+        let mut tokens = seq.params.prompt;
+        tokens.extend(seq.generated);
+        tokens.truncate(seq.cache.len());
+        self.prefix.insert(tokens, seq.cache);
+        let (bytes, entries) = self.prefix.usage();
+        self.shared.metrics.set_prefix_cache(bytes, entries);
     }
 
     /// Run `batch` (index into `active`, new tokens) as one forward pass and hand each sequence
@@ -504,6 +547,8 @@ pub(crate) struct Sequence<'t, B: ToyBackend> {
     cache: KvCache<B>,
     /// Prompt tokens already in the cache.
     prefilled: usize,
+    /// Of those, the ones the prefix cache gave.
+    cached: usize,
     /// Logits for the next token, once the prompt is in.
     logits: Option<Vec<f32>>,
     generated: Vec<u32>,
@@ -523,13 +568,19 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         enqueued: Instant,
         tokenizer: &'t Tokenizer,
         model: &Model<B>,
+        hit: Option<Hit<B>>,
     ) -> Self {
+        let (cache, cached) = match hit {
+            Some(hit) => (hit.cache, hit.len),
+            None => (model.new_cache(), 0),
+        };
         Sequence {
             sampler: Sampler::new(params.sampling.clone()),
             stops: StopStrings::new(params.stop.clone()),
             decoder: StreamDecoder::new(tokenizer),
-            cache: model.new_cache(),
-            prefilled: 0,
+            cache,
+            prefilled: cached,
+            cached,
             logits: None,
             generated: Vec::with_capacity(params.max_tokens.min(4096)),
             prompt_logprobs: Vec::new(),
@@ -671,6 +722,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         let finish = Finish {
             reason,
             prompt_tokens: self.params.prompt.len(),
+            cached_tokens: self.cached,
             completion_tokens: self.generated.len(),
             tail,
             queue_s: (self.started - self.enqueued).as_secs_f64(),

@@ -10,6 +10,7 @@ pub mod api;
 pub mod engine;
 pub mod error;
 pub mod metrics;
+pub mod prefix_cache;
 pub mod server;
 pub mod state;
 
@@ -53,6 +54,8 @@ pub struct ServeOptions {
     pub backend: String,
     /// A Jinja chat template used instead of the model's `tokenizer.chat_template`.
     pub chat_template: Option<String>,
+    /// MiB of keys and values the prefix cache may keep (`--cache-ram`; 0: off).
+    pub cache_ram_mib: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +138,7 @@ pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<
         max_concurrency: options.max_concurrency,
         batch_tokens: options.batch_tokens,
         chat_template: options.chat_template.clone(),
+        cache_ram: options.cache_ram_mib.saturating_mul(1 << 20),
     };
     let engine_shared = shared.clone();
     let engine = std::thread::Builder::new()

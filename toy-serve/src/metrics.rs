@@ -70,6 +70,9 @@ struct Tables {
 pub struct Metrics {
     tables: Mutex<Tables>,
     prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+    prefix_cache_bytes: AtomicUsize,
+    prefix_cache_entries: AtomicUsize,
     generated_tokens: AtomicU64,
     sequences_finished: AtomicU64,
     sequences_cancelled: AtomicU64,
@@ -83,6 +86,16 @@ pub struct Metrics {
 impl Metrics {
     pub fn prompt_tokens(&self, n: usize) {
         self.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens a sequence took from the prefix cache instead of running them.
+    pub fn cached_tokens(&self, n: usize) {
+        self.cached_tokens.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn set_prefix_cache(&self, bytes: usize, entries: usize) {
+        self.prefix_cache_bytes.store(bytes, Ordering::Relaxed);
+        self.prefix_cache_entries.store(entries, Ordering::Relaxed);
     }
 
     pub fn generated_tokens(&self, n: usize) {
@@ -190,6 +203,12 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "toy_prompt_tokens_cached_total",
+            "Prompt tokens taken from the prefix cache instead of run.",
+            load(&self.cached_tokens),
+        );
+        counter(
+            &mut out,
             "toy_generated_tokens_total",
             "Tokens generated.",
             load(&self.generated_tokens),
@@ -235,6 +254,18 @@ impl Metrics {
             "toy_sequences_queued",
             "Sequences waiting for a slot.",
             self.queued.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "toy_prefix_cache_bytes",
+            "Bytes of keys and values the prefix cache holds.",
+            self.prefix_cache_bytes.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "toy_prefix_cache_entries",
+            "Token sequences the prefix cache holds.",
+            self.prefix_cache_entries.load(Ordering::Relaxed),
         );
         gauge(
             &mut out,

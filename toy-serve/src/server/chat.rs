@@ -149,6 +149,7 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                 done: 0,
                 prompt_tokens: prompt.len(),
                 completion_tokens: 0,
+                cached_tokens: 0,
                 include_usage: checked.include_usage,
                 logprobs: want_logprobs,
                 out: VecDeque::new(),
@@ -162,12 +163,15 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
         let choices = collect(&s2, &mut rx, checked.n).await?;
         drop(admission);
         let mut completion_tokens = 0;
+        let mut cached_tokens = 0;
         let choices: Vec<Value> = choices
             .into_iter()
             .enumerate()
             .map(|(i, c)| {
                 let f = c.finish.expect("collected");
                 completion_tokens += f.completion_tokens;
+                // The choices share one prompt: report the best reuse among them.
+                cached_tokens = cached_tokens.max(f.cached_tokens);
                 note_finish(l, &f);
                 let logprobs = if want_logprobs {
                     json!({
@@ -192,7 +196,7 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
             "model": meta.model,
             "system_fingerprint": meta.fingerprint,
             "choices": choices,
-            "usage": usage(prompt.len(), completion_tokens),
+            "usage": usage(prompt.len(), completion_tokens, cached_tokens),
         }))
         .into_response())
     })
@@ -208,6 +212,7 @@ struct ChatStream {
     done: usize,
     prompt_tokens: usize,
     completion_tokens: usize,
+    cached_tokens: usize,
     include_usage: bool,
     logprobs: bool,
     out: VecDeque<String>,
@@ -296,6 +301,7 @@ impl ChatStream {
                     let d = self.delta(i, json!({}), Value::Null, Some(f.reason.as_str()));
                     self.out.push_back(d);
                     self.completion_tokens += f.completion_tokens;
+                    self.cached_tokens = self.cached_tokens.max(f.cached_tokens);
                     if let Some(log) = &mut self.log {
                         note_finish(log, &f);
                     }
@@ -304,7 +310,7 @@ impl ChatStream {
                         if self.include_usage {
                             let mut c: Value =
                                 serde_json::from_str(&self.chunk(json!([]))).unwrap_or_default();
-                            c["usage"] = usage(self.prompt_tokens, self.completion_tokens);
+                            c["usage"] = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
                             self.out.push_back(c.to_string());
                         }
                         self.out.push_back("[DONE]".into());

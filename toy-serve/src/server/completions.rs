@@ -160,6 +160,8 @@ pub(super) async fn completions(
                 done: 0,
                 prompt_tokens,
                 completion_tokens: 0,
+                cached_tokens: vec![0; prompts.len()],
+                n,
                 include_usage: checked.include_usage,
                 logprobs: logprobs.is_some(),
                 echo: echo.then(|| (0..total).map(|i| echo_texts[i / n].clone()).collect()),
@@ -175,10 +177,13 @@ pub(super) async fn completions(
         let outs = collect(&s2, &mut rx, prompts.len() * n).await?;
         drop(admission);
         let mut completion_tokens = 0;
+        let mut cached_tokens = vec![0; prompts.len()];
         let mut choices = Vec::new();
         for (i, c) in outs.into_iter().enumerate() {
             let f = c.finish.expect("collected");
             completion_tokens += f.completion_tokens;
+            // Choices `i / n` share a prompt: count its best reuse once.
+            cached_tokens[i / n] = cached_tokens[i / n].max(f.cached_tokens);
             note_finish(l, &f);
             let mut text = String::new();
             let mut lps = LegacyLogprobs::default();
@@ -213,7 +218,7 @@ pub(super) async fn completions(
             "model": meta.model,
             "system_fingerprint": meta.fingerprint,
             "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens.iter().sum()),
         }))
         .into_response())
     })
@@ -229,6 +234,9 @@ struct CompletionStream {
     done: usize,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Per prompt, its best prefix-cache reuse among its `n` choices.
+    cached_tokens: Vec<usize>,
+    n: usize,
     include_usage: bool,
     logprobs: bool,
     /// Prompt texts still to echo, per choice.
@@ -318,6 +326,8 @@ impl CompletionStream {
                     let c = self.chunk(i, &f.tail, Value::Null, Some(f.reason.as_str()));
                     self.out.push_back(c);
                     self.completion_tokens += f.completion_tokens;
+                    let p = i / self.n;
+                    self.cached_tokens[p] = self.cached_tokens[p].max(f.cached_tokens);
                     if let Some(log) = &mut self.log {
                         note_finish(log, &f);
                     }
@@ -331,7 +341,11 @@ impl CompletionStream {
                                 "model": self.meta.model,
                                 "system_fingerprint": self.meta.fingerprint,
                                 "choices": [],
-                                "usage": usage(self.prompt_tokens, self.completion_tokens),
+                                "usage": usage(
+                                    self.prompt_tokens,
+                                    self.completion_tokens,
+                                    self.cached_tokens.iter().sum(),
+                                ),
                             });
                             self.out.push_back(c.to_string());
                         }

@@ -101,8 +101,14 @@ pub(super) fn note_finish(log: &mut RequestLog, f: &Finish) {
     }
 }
 
-pub(super) fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's `usage`; `cached`: prompt tokens whose keys and values came from the prefix cache.
+pub(super) fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
 }
 
 /// One engine job per prompt × `n` (index = prompt × n + choice), seeds seed, seed+1, ….
@@ -128,6 +134,7 @@ pub(super) fn gen_jobs(
                 logprobs,
                 prompt_logprobs,
                 ignore_eos: checked.ignore_eos,
+                cache_prompt: checked.cache_prompt,
             });
         }
     }
