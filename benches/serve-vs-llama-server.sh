@@ -7,7 +7,9 @@
 # from toy-serve/tests/py/load_test.py (req/s, completion tok/s, p50/p99 latency, time to first
 # token, RSS) and the machine it ran on.
 #
-#   LLAMA_SERVER  llama-server binary (default: ~/.cache/toy-anchors/llamacpp/build/bin/llama-server)
+#   LLAMA_SERVER  llama-server binary (default: ~/.cache/toy-anchors/llamacpp/build/bin/llama-server;
+#                 on an Intel Xeon with AMX, llama.cpp's native AMX kernels segfault on these VMs:
+#                 build it with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16, docs/performance.md)
 #   TOY_BIN       toy binary (default: $CARGO_TARGET_DIR/release/toy)
 #   MODEL         default: ~/.cache/toy-models/SmolLM2-135M-Instruct.Q8_0.gguf
 #   CLIENTS       default: "8 32 64"
