@@ -650,3 +650,17 @@ fn tempdir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// Structured output with the official client: `beta.chat.completions.parse` with a pydantic
+/// model, 50 sampled `json_schema` completions over 5 schemas that all validate with
+/// `jsonschema` (10 at a time, so batched), `json_object`, Lark and GBNF grammars, and 400s for
+/// bad formats (toy-serve/tests/py/structured_output.py).
+#[test]
+fn structured_output_follows_the_schema_with_the_openai_client() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut server = Server::start(&["--parallel", "10"]);
+    let out = run_python("structured_output.py", &[&server.url, KEY]);
+    assert_eq!(out["schema_completions"], 50);
+    let status = server.terminate(Duration::from_secs(30));
+    assert!(status.success(), "toy serve exited with {status}");
+}

@@ -53,6 +53,12 @@ pub struct Sampling {
     /// llama-server's field: `false` runs the whole prompt (and keeps nothing for later
     /// requests), for numbers that do not depend on what ran before.
     pub cache_prompt: Option<bool>,
+    /// `{"type": "text" | "json_object" | "json_schema", …}` (OpenAI's structured output).
+    pub response_format: Option<Value>,
+    /// A JSON schema the output must follow (llama-server's extension field).
+    pub json_schema: Option<Value>,
+    /// A grammar the output must follow: Lark (llguidance's syntax) or llama.cpp's GBNF.
+    pub grammar: Option<String>,
 }
 
 /// Sampling settings checked and turned into what the engine takes.
@@ -66,6 +72,8 @@ pub struct Checked {
     pub stream: bool,
     pub include_usage: bool,
     pub cache_prompt: bool,
+    /// The grammar the output must follow (compiled per model by [`crate::grammar::Grammars`]).
+    pub grammar: Option<llguidance::api::TopLevelGrammar>,
 }
 
 fn range(name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32) -> Result<f32, ApiError> {
@@ -161,6 +169,11 @@ impl Sampling {
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            grammar: crate::grammar::requested(
+                self.response_format.as_ref(),
+                self.json_schema.as_ref(),
+                self.grammar.as_deref(),
+            )?,
         })
     }
 }
@@ -221,7 +234,6 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<u64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u32>,
-    pub response_format: Option<Value>,
     pub tools: Option<Value>,
     #[serde(flatten)]
     pub sampling: Sampling,

@@ -35,6 +35,7 @@ use toy_core::tokenizer::{StreamDecoder, Tokenizer};
 use toy_kernels::ToyBackend;
 use toy_models::{CausalLm, KvCache, Model};
 
+use crate::grammar::{Constraint, Grammars};
 use crate::prefix_cache::{Hit, PrefixCache};
 use crate::state::Shared;
 
@@ -59,6 +60,8 @@ pub struct ModelInfo {
     pub n_params: usize,
     /// Unix time the model was loaded (the `created` of `/v1/models`).
     pub created: u64,
+    /// Structured output's view of the vocabulary (built on the first request that needs it).
+    pub grammars: Grammars,
 }
 
 /// One sequence to generate.
@@ -80,6 +83,8 @@ pub struct GenParams {
     pub ignore_eos: bool,
     /// Start from the prefix cache, and leave this sequence's keys and values there.
     pub cache_prompt: bool,
+    /// The grammar the output must follow (`response_format`, `json_schema`, `grammar`).
+    pub constraint: Option<Constraint>,
 }
 
 /// A token's log-probability under the model (log-softmax of the raw logits) and the most
@@ -264,6 +269,7 @@ fn load<B: ToyBackend>(
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            grammars: Grammars::default(),
         },
         model,
     ))
@@ -553,6 +559,8 @@ pub(crate) struct Sequence<'t, B: ToyBackend> {
     logits: Option<Vec<f32>>,
     generated: Vec<u32>,
     sampler: Sampler,
+    /// The grammar the output must follow, advanced token by token.
+    constraint: Option<Constraint>,
     decoder: StreamDecoder<'t>,
     stops: StopStrings,
     prompt_logprobs: Vec<Option<TokenLogprob>>,
@@ -563,7 +571,7 @@ pub(crate) struct Sequence<'t, B: ToyBackend> {
 
 impl<'t, B: ToyBackend> Sequence<'t, B> {
     fn new(
-        params: GenParams,
+        mut params: GenParams,
         tx: GenSender,
         enqueued: Instant,
         tokenizer: &'t Tokenizer,
@@ -576,6 +584,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         };
         Sequence {
             sampler: Sampler::new(params.sampling.clone()),
+            constraint: params.constraint.take(),
             stops: StopStrings::new(params.stop.clone()),
             decoder: StreamDecoder::new(tokenizer),
             cache,
@@ -634,10 +643,17 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
                 *l += bias;
             }
         }
+        if let Some(c) = &mut self.constraint {
+            c.mask(&mut logits)?;
+        }
         let id = self.sampler.sample(&logits, &self.generated);
-        if !self.params.ignore_eos && tokenizer.is_eog(id) {
+        // Under a grammar, end-of-generation is allowed only where the grammar is complete.
+        if (!self.params.ignore_eos || self.constraint.is_some()) && tokenizer.is_eog(id) {
             self.finish(FinishReason::Stop);
             return Ok(Next::Finished);
+        }
+        if let Some(c) = &mut self.constraint {
+            c.accept(id)?;
         }
         self.generated.push(id);
         metrics.generated_tokens(1);
@@ -648,7 +664,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         let piece = self.decoder.push(id);
         let (text, stopped) = self.stops.push(&piece);
         self.send(GenEvent::Token { id, text, logprob });
-        if stopped {
+        if stopped || self.constraint.as_ref().is_some_and(Constraint::done) {
             self.finish(FinishReason::Stop);
             return Ok(Next::Finished);
         }

@@ -9,6 +9,8 @@
 pub mod api;
 pub mod engine;
 pub mod error;
+mod gbnf;
+pub mod grammar;
 pub mod metrics;
 pub mod prefix_cache;
 pub mod server;

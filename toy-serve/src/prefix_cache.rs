@@ -120,8 +120,8 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::Tensor;
     use burn::backend::Flex;
+    use burn::tensor::Tensor;
 
     type B = Flex;
 
@@ -129,8 +129,12 @@ mod tests {
     /// tokens a hit returns).
     fn cache_of(tokens: &[u32]) -> KvCache<B> {
         let ids: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
-        let k = Tensor::<B, 1>::from_floats(ids.as_slice(), &Default::default())
-            .reshape([1, 1, tokens.len(), 1]);
+        let k = Tensor::<B, 1>::from_floats(ids.as_slice(), &Default::default()).reshape([
+            1,
+            1,
+            tokens.len(),
+            1,
+        ]);
         KvCache::from_layers(vec![(k.clone(), k)])
     }
 

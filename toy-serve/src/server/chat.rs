@@ -15,7 +15,8 @@ use toy_core::tokenizer::Tokenizer;
 
 use super::jobs::{collect, engine_error, gen_jobs, note_finish, submit, usage};
 use super::request::{
-    check_model, encode, fingerprint, fit_context, read_json, ready, token_string, unix_now,
+    check_model, constraint, encode, fingerprint, fit_context, read_json, ready, token_string,
+    unix_now,
 };
 use super::sse::{Meta, SseSource, sse};
 use super::{AppState, logged};
@@ -43,25 +44,6 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
         let req: ChatRequest = read_json(&s2, &headers, body).await?;
         let info = ready(&s2)?;
         check_model(&info, req.model.as_deref())?;
-        if let Some(fmt) = &req.response_format {
-            match fmt.get("type").and_then(Value::as_str) {
-                Some("text") => {}
-                Some(kind @ ("json_object" | "json_schema")) => {
-                    return Err(ApiError::invalid(
-                        Some("response_format"),
-                        format!(
-                            "response_format {kind:?} is not supported: toy has no constrained (grammar) decoding, so it cannot guarantee JSON; ask for JSON in the prompt and parse the text yourself"
-                        ),
-                    ));
-                }
-                _ => {
-                    return Err(ApiError::invalid(
-                        Some("response_format"),
-                        "response_format must be {\"type\": \"text\"}",
-                    ));
-                }
-            }
-        }
         if req
             .tools
             .as_ref()
@@ -122,12 +104,14 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
         // As `toy infer --chat` and llama.cpp tokenize a rendered chat.
         let prompt = encode(&info, prompt_text, true, true).await?;
         let max_new = fit_context(&info, prompt.len(), max_tokens, "messages")?;
+        let constraint = constraint(&info, &checked).await?;
         let jobs = gen_jobs(
             std::slice::from_ref(&prompt),
             &checked,
             max_new,
             want_logprobs.then_some(top_logprobs as usize),
             false,
+            constraint.as_ref(),
         );
         let (mut rx, admission) = submit(&s2, jobs)?;
         let l = log.as_mut().expect("log");
@@ -310,7 +294,11 @@ impl ChatStream {
                         if self.include_usage {
                             let mut c: Value =
                                 serde_json::from_str(&self.chunk(json!([]))).unwrap_or_default();
-                            c["usage"] = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
+                            c["usage"] = usage(
+                                self.prompt_tokens,
+                                self.completion_tokens,
+                                self.cached_tokens,
+                            );
                             self.out.push_back(c.to_string());
                         }
                         self.out.push_back("[DONE]".into());

@@ -15,8 +15,8 @@ use toy_core::tokenizer::Tokenizer;
 
 use super::jobs::{collect, engine_error, gen_jobs, note_finish, submit, usage};
 use super::request::{
-    check_ids, check_model, encode, fingerprint, fit_context, read_json, ready, token_string,
-    unix_now,
+    check_ids, check_model, constraint, encode, fingerprint, fit_context, read_json, ready,
+    token_string, unix_now,
 };
 use super::sse::{Meta, SseSource, sse};
 use super::{AppState, logged};
@@ -131,12 +131,14 @@ pub(super) async fn completions(
             echo_texts.push(text);
         }
         let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+        let constraint = constraint(&info, &checked).await?;
         let jobs = gen_jobs(
             &prompts,
             &checked,
             max_tokens as usize,
             logprobs,
             echo && logprobs.is_some(),
+            constraint.as_ref(),
         );
         let (mut rx, admission) = submit(&s2, jobs)?;
         let l = log.as_mut().expect("log");

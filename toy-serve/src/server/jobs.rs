@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use crate::api::Checked;
 use crate::engine::{Finish, GenEvent, GenParams, Job, TokenLogprob};
 use crate::error::ApiError;
+use crate::grammar::Constraint;
 use crate::state::{Admission, RequestLog, Shared};
 
 /// Queue `jobs` (after taking their places in the admission count).
@@ -118,6 +119,7 @@ pub(super) fn gen_jobs(
     max_tokens: usize,
     logprobs: Option<usize>,
     prompt_logprobs: bool,
+    constraint: Option<&Constraint>,
 ) -> Vec<GenParams> {
     let mut jobs = Vec::new();
     for prompt in prompts {
@@ -135,6 +137,7 @@ pub(super) fn gen_jobs(
                 prompt_logprobs,
                 ignore_eos: checked.ignore_eos,
                 cache_prompt: checked.cache_prompt,
+                constraint: constraint.cloned(),
             });
         }
     }

@@ -12,8 +12,10 @@ use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use toy_core::tokenizer::Tokenizer;
 
+use crate::api::Checked;
 use crate::engine::ModelInfo;
 use crate::error::ApiError;
+use crate::grammar::Constraint;
 use crate::state::Shared;
 
 pub(super) fn unix_now() -> u64 {
@@ -113,6 +115,22 @@ pub(super) async fn encode(
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
         .map_err(|e| ApiError::invalid(None, format!("cannot tokenize the input: {e}")))
+}
+
+/// Compile the request's grammar, if any, for this model (off the async runtime: the first one
+/// reads the vocabulary, a large schema takes a while).
+pub(super) async fn constraint(
+    info: &Arc<ModelInfo>,
+    checked: &Checked,
+) -> Result<Option<Constraint>, ApiError> {
+    let Some(grammar) = checked.grammar.clone() else {
+        return Ok(None);
+    };
+    let info = info.clone();
+    tokio::task::spawn_blocking(move || info.grammars.compile(&info.tokenizer, grammar))
+        .await
+        .map_err(|e| ApiError::internal(format!("grammar task failed: {e}")))?
+        .map(Some)
 }
 
 pub(super) fn check_ids(info: &ModelInfo, ids: &[u32], param: &str) -> Result<(), ApiError> {

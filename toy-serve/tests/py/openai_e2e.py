@@ -168,7 +168,7 @@ expect(openai.NotFoundError, lambda: client.chat.completions.create(model="no-su
 bad = OpenAI(base_url=base + "/v1", api_key="wrong-key", max_retries=0)
 expect(openai.AuthenticationError, lambda: bad.models.list(), "incorrect API key")
 expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, max_tokens=10**6), "maximum context length")
-expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, response_format={"type": "json_object"}), "response_format")
+expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, response_format={"type": "xml"}), "response_format")
 expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, temperature=5), "temperature")
 
 print(json.dumps({
