@@ -408,17 +408,29 @@ fn sixteen_concurrent_greedy_chats_are_batched_and_equal_infer() {
 }
 
 /// One greedy chat request; (reply text, usage, seconds).
-fn chat(addr: &str, messages: serde_json::Value, extra: serde_json::Value) -> (String, serde_json::Value, f64) {
+fn chat(
+    addr: &str,
+    messages: serde_json::Value,
+    extra: serde_json::Value,
+) -> (String, serde_json::Value, f64) {
     let mut body = serde_json::json!({"messages": messages, "max_tokens": 12, "temperature": 0});
     body.as_object_mut()
         .unwrap()
         .extend(extra.as_object().unwrap().clone());
     let t = Instant::now();
-    let (status, _, reply) = http(addr, "POST", "/v1/chat/completions", Some(KEY), &body.to_string());
+    let (status, _, reply) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY),
+        &body.to_string(),
+    );
     let seconds = t.elapsed().as_secs_f64();
     assert_eq!(status, 200, "{reply}");
     let v: serde_json::Value = serde_json::from_str(&reply).expect("json");
-    let text = v["choices"][0]["message"]["content"].as_str().expect("content");
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
     (text.to_string(), v["usage"].clone(), seconds)
 }
 
@@ -434,17 +446,30 @@ fn a_shared_system_prompt_is_read_once_and_answers_the_same() {
         .map(|i| format!("Rule {i}: answer in plain words."))
         .collect::<Vec<_>>()
         .join(" ");
-    let ask = |q: &str| serde_json::json!([
-        {"role": "system", "content": system},
-        {"role": "user", "content": q},
-    ]);
+    let ask = |q: &str| {
+        serde_json::json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": q},
+        ])
+    };
     let ran = || metric(addr, "toy_prompt_tokens_total");
-    let cached = |u: &serde_json::Value| u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let cached = |u: &serde_json::Value| {
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
 
     let before = ran();
-    let (first, usage, _) = chat(addr, ask("What is the capital of France?"), serde_json::json!({}));
+    let (first, usage, _) = chat(
+        addr,
+        ask("What is the capital of France?"),
+        serde_json::json!({}),
+    );
     let prompt = usage["prompt_tokens"].as_u64().unwrap();
-    assert!(prompt > 1000, "the system prompt is {prompt} tokens, want over 1,000");
+    assert!(
+        prompt > 1000,
+        "the system prompt is {prompt} tokens, want over 1,000"
+    );
     assert_eq!(cached(&usage), 0);
     assert_eq!(ran() - before, prompt as f64);
 
@@ -455,13 +480,23 @@ fn a_shared_system_prompt_is_read_once_and_answers_the_same() {
     let own = usage["prompt_tokens"].as_u64().unwrap() - reused;
     assert!(reused > 1000 && own < 40, "{usage}");
     assert_eq!(ran() - before, own as f64, "the cached tokens ran again");
-    assert_eq!(metric(addr, "toy_prompt_tokens_cached_total"), reused as f64);
+    assert_eq!(
+        metric(addr, "toy_prompt_tokens_cached_total"),
+        reused as f64
+    );
 
     // The same request without the cache: every token runs, the same answer.
     let before = ran();
-    let (cold, usage, cold_s) = chat(addr, ask("Name three colors."), serde_json::json!({"cache_prompt": false}));
+    let (cold, usage, cold_s) = chat(
+        addr,
+        ask("Name three colors."),
+        serde_json::json!({"cache_prompt": false}),
+    );
     assert_eq!(cached(&usage), 0);
-    assert_eq!(ran() - before, usage["prompt_tokens"].as_u64().unwrap() as f64);
+    assert_eq!(
+        ran() - before,
+        usage["prompt_tokens"].as_u64().unwrap() as f64
+    );
     assert_eq!(warm, cold, "the answer depends on the prefix cache");
     eprintln!(
         "prefix cache: {reused} of {} prompt tokens reused; {warm_s:.2} s with, {cold_s:.2} s without ({:.1}x)",

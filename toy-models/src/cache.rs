@@ -41,7 +41,9 @@ impl<B: Backend> KvCache<B> {
     pub fn from_layers(layers: Vec<(Tensor<B, 4>, Tensor<B, 4>)>) -> Self {
         let len = layers.first().map_or(0, |(k, _)| k.dims()[2]);
         assert!(
-            layers.iter().all(|(k, v)| k.dims()[2] == len && v.dims()[2] == len),
+            layers
+                .iter()
+                .all(|(k, v)| k.dims()[2] == len && v.dims()[2] == len),
             "every layer's keys and values hold the same tokens"
         );
         KvCache {
@@ -67,7 +69,11 @@ impl<B: Backend> KvCache<B> {
     /// A cache of the first `n` tokens of this one (a prefix cache's hit). Shares nothing that
     /// either side later changes: appending concatenates into new tensors.
     pub fn prefix(&self, n: usize) -> Self {
-        assert!(n <= self.len, "prefix of {n} tokens from a cache of {}", self.len);
+        assert!(
+            n <= self.len,
+            "prefix of {n} tokens from a cache of {}",
+            self.len
+        );
         if n == self.len {
             return self.clone();
         }
