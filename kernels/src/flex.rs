@@ -713,6 +713,8 @@ mod attention;
 mod avx2_fixture_tests;
 mod blocks;
 #[cfg(target_arch = "x86_64")]
+mod blocks32_avx2;
+#[cfg(target_arch = "x86_64")]
 mod blocks_avx2;
 mod elementwise;
 #[cfg(target_arch = "x86_64")]

@@ -724,6 +724,7 @@ fn dot(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
 #[cfg(target_arch = "x86_64")]
 fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
     use super::blocks_avx2 as v;
+    use super::blocks32_avx2 as w32;
     // SAFETY: only called after `blocks_avx2::available()`.
     unsafe {
         match (ty, x) {
@@ -738,10 +739,12 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
             (GgmlType::Q5K, ActRow::Q8K(y)) => v::dot_q45_k(w, y, true),
             (GgmlType::Q6K, ActRow::Q8K(y)) => v::dot_q6_k(w, y),
             (GgmlType::IQ4XS, ActRow::Q8K(y)) => v::dot_iq4_xs(w, y),
-            (GgmlType::Q5_0, ActRow::Q8(y)) => v::dot_q5_0(w, y),
-            (GgmlType::Q5_1, ActRow::Q8(y)) => v::dot_q5_1(w, y),
-            (GgmlType::IQ4NL, ActRow::Q8(y)) if form == Form::Gemv => v::dot_iq4_nl_repacked(w, y),
-            (GgmlType::IQ4NL, ActRow::Q8(y)) => v::dot_iq4_nl(w, y, form == Form::TinyBlas),
+            (GgmlType::Q5_0, ActRow::Q8(y)) => w32::dot_q5_0(w, y),
+            (GgmlType::Q5_1, ActRow::Q8(y)) => w32::dot_q5_1(w, y),
+            (GgmlType::IQ4NL, ActRow::Q8(y)) if form == Form::Gemv => {
+                w32::dot_iq4_nl_repacked(w, y)
+            }
+            (GgmlType::IQ4NL, ActRow::Q8(y)) => w32::dot_iq4_nl(w, y, form == Form::TinyBlas),
             (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) if isa == GgmlIsa::Avx2 => {
                 v::dot_half_vec(w, y, ty == GgmlType::BF16)
             }
@@ -756,13 +759,14 @@ fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]>
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx2 {
         use super::blocks_avx2 as v;
+        use super::blocks32_avx2 as w32;
         // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
         return unsafe {
             match (ty, x, form) {
                 (GgmlType::Q4K, ActRow::Q8K(y), Form::Gemv) => Some(v::dot8_q4_k_gemv(w, y)),
                 (GgmlType::IQ4NL, ActRow::Q8(y), Form::Gemv) => {
                     let [y] =
-                        v::dot8_repacked_32::<1>(w[0].len() / 18, [y], v::Repacked8::Iq4Nl(w));
+                        w32::dot8_repacked_32::<1>(w[0].len() / 18, [y], w32::Repacked8::Iq4Nl(w));
                     Some(y)
                 }
                 _ => None,
@@ -778,7 +782,7 @@ fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]>
 fn dot8_rows4(ty: GgmlType, w: [&[u8]; 8], x: [&ActRow; 4], form: Form) -> Option<[[f32; 8]; 4]> {
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx2 {
-        use super::blocks_avx2 as v;
+        use super::blocks32_avx2 as w32;
         let rows: [&QuantRow; 4] = match x {
             [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
             _ => return None,
@@ -786,10 +790,10 @@ fn dot8_rows4(ty: GgmlType, w: [&[u8]; 8], x: [&ActRow; 4], form: Form) -> Optio
         // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
         return unsafe {
             match (ty, form) {
-                (GgmlType::IQ4NL, Form::Gemv) => Some(v::dot8_repacked_32::<4>(
+                (GgmlType::IQ4NL, Form::Gemv) => Some(w32::dot8_repacked_32::<4>(
                     w[0].len() / 18,
                     rows,
-                    v::Repacked8::Iq4Nl(w),
+                    w32::Repacked8::Iq4Nl(w),
                 )),
                 _ => None,
             }
@@ -804,7 +808,7 @@ fn dot8_rows4(ty: GgmlType, w: [&[u8]; 8], x: [&ActRow; 4], form: Form) -> Optio
 fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32; 4]> {
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx2 {
-        use super::blocks_avx2 as v;
+        use super::blocks32_avx2 as w32;
         let rows: [&QuantRow; 4] = match x {
             [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
             _ => return None,
@@ -812,9 +816,9 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
         // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
         return unsafe {
             match (ty, form) {
-                (GgmlType::Q5_0, Form::VecDot) => Some(v::dot_q5_0_rows4(w, rows)),
-                (GgmlType::Q5_1, Form::VecDot) => Some(v::dot_q5_1_rows4(w, rows)),
-                (GgmlType::IQ4NL, Form::TinyBlas) => Some(v::dot_iq4_nl_tinyblas_rows4(w, rows)),
+                (GgmlType::Q5_0, Form::VecDot) => Some(w32::dot_q5_0_rows4(w, rows)),
+                (GgmlType::Q5_1, Form::VecDot) => Some(w32::dot_q5_1_rows4(w, rows)),
+                (GgmlType::IQ4NL, Form::TinyBlas) => Some(w32::dot_iq4_nl_tinyblas_rows4(w, rows)),
                 _ => None,
             }
         };

@@ -1,4 +1,6 @@
-//! AVX2 versions of the dot products of `blocks.rs`: the same bits, faster.
+//! AVX2 versions of the dot products of `blocks.rs` for the K-quants (256-value super-blocks
+//! against Q8_K activations) and F16/BF16, plus the helpers `blocks32_avx2.rs` shares: the same
+//! bits, faster.
 //!
 //! The integer parts are exact whatever instructions compute them, as long as each of ggml's
 //! eight i32 lanes receives the same products (lane `l` of a 32-value group takes values
@@ -13,8 +15,6 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{Q8K, scales_q3_k};
-use super::qmatmul::QuantRow;
-use crate::packed::BLOCK;
 use toy_quant::IQ4_GRID;
 
 /// ggml's `hsum_float_8`.
@@ -31,7 +31,7 @@ pub(super) fn hsum_float_8(x: __m256) -> f32 {
 /// The sum of the 8 i32 lanes (exact).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_i32_8(a: __m256i) -> i32 {
+pub(super) fn hsum_i32_8(a: __m256i) -> i32 {
     hsum_i32_4(_mm_add_epi32(
         _mm256_castsi256_si128(a),
         _mm256_extracti128_si256(a, 1),
@@ -40,7 +40,7 @@ fn hsum_i32_8(a: __m256i) -> i32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load256(p: &[u8]) -> __m256i {
+pub(super) fn load256(p: &[u8]) -> __m256i {
     assert!(p.len() >= 32);
     // SAFETY: 32 bytes are in bounds (asserted); unaligned loads are allowed.
     unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
@@ -48,7 +48,7 @@ fn load256(p: &[u8]) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load128(p: &[u8]) -> __m128i {
+pub(super) fn load128(p: &[u8]) -> __m128i {
     assert!(p.len() >= 16);
     // SAFETY: as `load256`.
     unsafe { _mm_loadu_si128(p.as_ptr() as *const __m128i) }
@@ -56,7 +56,7 @@ fn load128(p: &[u8]) -> __m128i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load_q8(q: &[i8]) -> __m256i {
+pub(super) fn load_q8(q: &[i8]) -> __m256i {
     assert!(q.len() >= 32);
     // SAFETY: as `load256`.
     unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) }
@@ -185,7 +185,7 @@ fn q8_sums32_i16(y: &Q8K) -> __m128i {
 /// The sum of 4 i32 lanes (exact).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_i32_4(a: __m128i) -> i32 {
+pub(super) fn hsum_i32_4(a: __m128i) -> i32 {
     let hi64 = _mm_unpackhi_epi64(a, a);
     let sum64 = _mm_add_epi32(hi64, a);
     let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
@@ -195,7 +195,7 @@ fn hsum_i32_4(a: __m128i) -> i32 {
 /// An f16 field at byte `i` of `b`, through F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16c_at(b: &[u8], i: usize) -> f32 {
+pub(super) fn f16c_at(b: &[u8], i: usize) -> f32 {
     let bits = u16::from_le_bytes([b[i], b[i + 1]]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
@@ -288,7 +288,7 @@ fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
 /// 32 IQ4 grid values of a block's 16 nibble bytes: low nibbles (values 0..16), then high ones.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn iq4_values(qs: &[u8]) -> __m256i {
+pub(super) fn iq4_values(qs: &[u8]) -> __m256i {
     let grid = unsafe { _mm_loadu_si128(IQ4_GRID.as_ptr() as *const __m128i) };
     let m4 = _mm_set1_epi8(0x0F);
     let bits = load128(qs);
@@ -301,7 +301,7 @@ fn iq4_values(qs: &[u8]) -> __m256i {
 /// Lanes of signed `x · y` products (ggml's `mul_add_epi8` then `madd` by ones).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn signed_lanes(x: __m256i, y: __m256i) -> __m256i {
+pub(super) fn signed_lanes(x: __m256i, y: __m256i) -> __m256i {
     let p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
     _mm256_madd_epi16(p, _mm256_set1_epi16(1))
 }
@@ -542,420 +542,6 @@ pub(super) fn dot_tiled(ty: toy_quant::GgmlType, w: &[u8], x: &[Q8K]) -> f32 {
         acc = r.mul_add(y.d, acc);
     }
     acc
-}
-
-/// 32 Q5_0/Q5_1 values of a block (nibbles with their fifth bit from `qh`), unsigned 0..32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q5_values(qs: &[u8], qh: u32) -> __m256i {
-    let bits = load128(qs);
-    let m4 = _mm256_set1_epi8(0x0F);
-    let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bits, 4), bits), m4);
-    // Byte j gets bit j of qh (ggml's bytes_from_bits_32), as 0x10.
-    let shuf = _mm256_set_epi64x(
-        0x0303030303030303,
-        0x0202020202020202,
-        0x0101010101010101,
-        0x0000000000000000,
-    );
-    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), shuf);
-    let mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
-    let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1));
-    _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
-}
-
-/// `ggml_vec_dot_q5_0_q8_0`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_q5_0(w: &[u8], x: &QuantRow) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let sixteen = _mm256_set1_epi8(16);
-    for (i, b) in w.chunks_exact(22).enumerate() {
-        let d = f16c_at(b, 0) * x.scales[i];
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let q = _mm256_sub_epi8(q5_values(&b[6..22], qh), sixteen);
-        let p = signed_lanes(q, load_q8(&x.quants[BLOCK * i..]));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_float_8(acc)
-}
-
-/// `ggml_vec_dot_q5_1_q8_1`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_q5_1(w: &[u8], x: &QuantRow) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0.0f32;
-    for (i, b) in w.chunks_exact(24).enumerate() {
-        let (dx, m) = (f16c_at(b, 0), f16c_at(b, 2));
-        summs = m.mul_add(x.sums[i], summs);
-        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        let q = q5_values(&b[8..24], qh);
-        let p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(q, load_q8(&x.quants[BLOCK * i..])),
-            _mm256_set1_epi16(1),
-        );
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * x.scales[i]), acc);
-    }
-    hsum_float_8(acc) + summs
-}
-
-/// `dot_q5_0` for four activation rows against one weight row: each block's weights are
-/// unpacked once for the four (as llamafile's tinyBLAS shares them across its register tile),
-/// and each output gets `dot_q5_0`'s operations, so its bits.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_q5_0_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let sixteen = _mm256_set1_epi8(16);
-    for (i, b) in w.chunks_exact(22).enumerate() {
-        let dw = f16c_at(b, 0);
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let q = _mm256_sub_epi8(q5_values(&b[6..22], qh), sixteen);
-        let aq = _mm256_sign_epi8(q, q);
-        for r in 0..4 {
-            let d = dw * x[r].scales[i];
-            let y = load_q8(&x[r].quants[BLOCK * i..]);
-            let p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q));
-            let p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    std::array::from_fn(|r| hsum_float_8(acc[r]))
-}
-
-/// `dot_q5_1` for four activation rows (as `dot_q5_0_rows4`).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_q5_1_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summs = [0.0f32; 4];
-    for (i, b) in w.chunks_exact(24).enumerate() {
-        let (dx, m) = (f16c_at(b, 0), f16c_at(b, 2));
-        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        let q = q5_values(&b[8..24], qh);
-        for r in 0..4 {
-            summs[r] = m.mul_add(x[r].sums[i], summs[r]);
-            let p = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(q, load_q8(&x[r].quants[BLOCK * i..])),
-                _mm256_set1_epi16(1),
-            );
-            let d = _mm256_set1_ps(dx * x[r].scales[i]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r]);
-        }
-    }
-    std::array::from_fn(|r| hsum_float_8(acc[r]) + summs[r])
-}
-
-/// IQ4_NL's tinyBLAS form (`dot_iq4_nl(.., true)`) for four activation rows.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_iq4_nl_tinyblas_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for (i, b) in w.chunks_exact(18).enumerate() {
-        let dw = f16c_at(b, 0);
-        let v = iq4_values(&b[2..18]);
-        let av = _mm256_sign_epi8(v, v);
-        for r in 0..4 {
-            let d = x[r].scales[i] * dw;
-            let y = load_q8(&x[r].quants[BLOCK * i..]);
-            let p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(y, v));
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc[r]);
-        }
-    }
-    std::array::from_fn(|r| hsum_float_8(acc[r]))
-}
-
-/// IQ4_NL (see `blocks::dot_iq4_nl`).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_iq4_nl(w: &[u8], x: &QuantRow, tinyblas: bool) -> f32 {
-    let nb = w.len() / 18;
-    let block = |i: usize| -> (f32, __m256) {
-        let b = &w[18 * i..18 * i + 18];
-        let d = x.scales[i] * f16c_at(b, 0);
-        (
-            d,
-            _mm256_cvtepi32_ps(signed_lanes(
-                iq4_values(&b[2..18]),
-                load_q8(&x.quants[BLOCK * i..]),
-            )),
-        )
-    };
-    if tinyblas {
-        let mut acc = _mm256_setzero_ps();
-        for i in 0..nb {
-            let (d, p) = block(i);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
-        }
-        return hsum_float_8(acc);
-    }
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let pairs = nb / 2 * 2;
-    for i in 0..pairs {
-        let (d, p) = block(i);
-        acc[i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc[i % 2]);
-    }
-    let mut sumf = hsum_float_8(_mm256_add_ps(acc[0], acc[1]));
-    if pairs < nb {
-        let b = &w[18 * pairs..18 * pairs + 18];
-        let d = x.scales[pairs] * f16c_at(b, 0);
-        let isum = hsum_i32_8(signed_lanes(
-            iq4_values(&b[2..18]),
-            load_q8(&x.quants[BLOCK * pairs..]),
-        ));
-        sumf = d.mul_add(isum as f32, sumf);
-    }
-    sumf
-}
-
-/// One output of IQ4_NL's repacked kernels (`blocks::dot_repacked_32` for a row of 18-byte
-/// blocks): each block's exact sum, then one fused multiply-add by `d_w · d_x`. The block
-/// accessors are written here, inside the `target_feature` function, so that they inline.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_iq4_nl_repacked(w: &[u8], x: &QuantRow) -> f32 {
-    let nb = w.len() / 18;
-    let mut acc = 0.0f32;
-    for i in 0..nb {
-        let values = iq4_values(&w[18 * i + 2..]);
-        let isum = hsum_i32_8(signed_lanes(values, load_q8(&x.quants[BLOCK * i..])));
-        acc = (isum as f32).mul_add(f16c_at(w, 18 * i) * x.scales[i], acc);
-    }
-    acc
-}
-
-/// Eight weight rows of a type llama.cpp repacks into its 8x8 layout, for `dot8_repacked_32`.
-pub(super) enum Repacked8<'a> {
-    /// Q4_0 in the split layout: 16 bytes of nibbles per block, the f32 scales apart.
-    Q4_0 {
-        quants: [&'a [u8]; 8],
-        scales: [&'a [f32]; 8],
-    },
-    /// IQ4_NL blocks: an f16 scale, then 16 bytes of grid indices.
-    Iq4Nl([&'a [u8]; 8]),
-}
-
-/// Eight outputs of `dot_repacked_32` — weight rows `0..8` — for each of `A` activation rows, as
-/// llama.cpp's `gemv_q4_0_8x8` / `gemv_iq4_nl_8x8` (one row) and `gemm_*_8x8` (four rows)
-/// compute them: each row's exact block sums, then one 8-wide fused multiply-add per block for
-/// all eight rows (the same bits per output as eight `dot_repacked_32` calls, whatever `A` is).
-/// The integer work runs on two blocks per 256-bit vector (the low nibbles of blocks `b` and
-/// `b + 1` in one register, against the activations rearranged once per call to match), so the
-/// eight rows' block sums of a pair of blocks come out of one `hadd` tree; Q4_0's nibbles multiply
-/// unsigned and `8 · Σx` is subtracted from each block sum (exact in i32) instead of re-signing
-/// every weight. With `A = 4` (prefill) each weight register is unpacked once for four
-/// activation rows. The rows are read one after another, each in memory order, a chunk of blocks
-/// at a time: interleaving eight short rows defeats the hardware prefetcher. (The closures are
-/// written here, inside the `target_feature` function, so that the SIMD helpers they call are
-/// inlined.)
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot8_repacked_32<const A: usize>(
-    nb: usize,
-    x: [&QuantRow; A],
-    w: Repacked8<'_>,
-) -> [[f32; 8]; A] {
-    for x in &x {
-        assert!(x.quants.len() >= BLOCK * nb && x.scales.len() >= nb);
-    }
-    match w {
-        Repacked8::Q4_0 { quants, scales } => {
-            for r in 0..8 {
-                assert!(quants[r].len() >= 16 * nb && scales[r].len() >= nb);
-            }
-            dot8_pairs::<false, A>(
-                nb,
-                x,
-                |r, b, both| {
-                    if both {
-                        load256(&quants[r][16 * b..])
-                    } else {
-                        _mm256_set_m128i(_mm_setzero_si128(), load128(&quants[r][16 * b..]))
-                    }
-                },
-                |b| {
-                    _mm256_setr_ps(
-                        scales[0][b],
-                        scales[1][b],
-                        scales[2][b],
-                        scales[3][b],
-                        scales[4][b],
-                        scales[5][b],
-                        scales[6][b],
-                        scales[7][b],
-                    )
-                },
-            )
-        }
-        Repacked8::Iq4Nl(blocks) => {
-            for row in &blocks {
-                assert!(row.len() >= 18 * nb);
-            }
-            let half =
-                |r: usize, b: usize| i16::from_le_bytes([blocks[r][18 * b], blocks[r][18 * b + 1]]);
-            dot8_pairs::<true, A>(
-                nb,
-                x,
-                |r, b, both| {
-                    let lo = load128(&blocks[r][18 * b + 2..]);
-                    let hi = if both {
-                        load128(&blocks[r][18 * b + 20..])
-                    } else {
-                        _mm_setzero_si128()
-                    };
-                    _mm256_set_m128i(hi, lo)
-                },
-                |b| {
-                    _mm256_cvtph_ps(_mm_setr_epi16(
-                        half(0, b),
-                        half(1, b),
-                        half(2, b),
-                        half(3, b),
-                        half(4, b),
-                        half(5, b),
-                        half(6, b),
-                        half(7, b),
-                    ))
-                },
-            )
-        }
-    }
-}
-
-/// The kernel of `dot8_repacked_32`. `nibbles(r, b, both)`: row `r`'s 16 bytes of nibbles of
-/// block `b` in the low 128 bits and, when `both`, block `b + 1`'s in the high ones (zeros
-/// otherwise); `dw(b)`: the eight rows' scales of block `b`. `IQ4`: the nibbles index IQ4_NL's
-/// grid; otherwise they are Q4_0's `q` with value `q − 8`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot8_pairs<const IQ4: bool, const A: usize>(
-    nb: usize,
-    x: [&QuantRow; A],
-    nibbles: impl Fn(usize, usize, bool) -> __m256i,
-    dw: impl Fn(usize) -> __m256,
-) -> [[f32; 8]; A] {
-    // Blocks per chunk (even): 16 pairs of per-row lanes, 4 KiB of scratch per activation row.
-    const CHUNK: usize = 32;
-    const PAIRS: usize = CHUNK / 2;
-    let m4 = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    // SAFETY: IQ4_GRID holds 16 bytes.
-    let grid = _mm256_broadcastsi128_si256(unsafe {
-        _mm_loadu_si128(IQ4_GRID.as_ptr() as *const __m128i)
-    });
-    let mut acc = [_mm256_setzero_ps(); A];
-    // Per activation row and pair of the chunk, each weight row's eight i32 partial sums (four
-    // per block). Left uninitialized: zeroing the scratch per call was a third of the kernel's
-    // time.
-    let mut lanes = [[[std::mem::MaybeUninit::<__m256i>::uninit(); 8]; PAIRS]; A];
-    // Per activation row and pair, the activations matching the nibble registers: values 0..16
-    // of both blocks, then values 16..32 of both.
-    let mut xs = [[(_mm256_setzero_si256(), _mm256_setzero_si256()); PAIRS]; A];
-    let mut sum_x = [[0i32; CHUNK]; A];
-    for b0 in (0..nb).step_by(CHUNK) {
-        let b1 = (b0 + CHUNK).min(nb);
-        let pairs = (b1 - b0).div_ceil(2);
-        for a in 0..A {
-            for p in 0..pairs {
-                let b = b0 + 2 * p;
-                let xb = load_q8(&x[a].quants[BLOCK * b..]);
-                let xn = if b + 1 < b1 {
-                    load_q8(&x[a].quants[BLOCK * (b + 1)..])
-                } else {
-                    _mm256_setzero_si256()
-                };
-                let pair = (
-                    _mm256_permute2x128_si256(xb, xn, 0x20),
-                    _mm256_permute2x128_si256(xb, xn, 0x31),
-                );
-                xs[a][p] = pair;
-                if !IQ4 {
-                    let s = _mm256_madd_epi16(
-                        _mm256_add_epi16(
-                            _mm256_maddubs_epi16(_mm256_set1_epi8(1), pair.0),
-                            _mm256_maddubs_epi16(_mm256_set1_epi8(1), pair.1),
-                        ),
-                        ones,
-                    );
-                    sum_x[a][2 * p] = hsum_i32_4(_mm256_castsi256_si128(s));
-                    sum_x[a][2 * p + 1] = hsum_i32_4(_mm256_extracti128_si256(s, 1));
-                }
-            }
-        }
-        for r in 0..8 {
-            for p in 0..pairs {
-                let b = b0 + 2 * p;
-                let bits = nibbles(r, b, b + 1 < b1);
-                let lo = _mm256_and_si256(bits, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                if IQ4 {
-                    let (vlo, vhi) = (_mm256_shuffle_epi8(grid, lo), _mm256_shuffle_epi8(grid, hi));
-                    let (alo, ahi) = (_mm256_sign_epi8(vlo, vlo), _mm256_sign_epi8(vhi, vhi));
-                    for a in 0..A {
-                        let (xlo, xhi) = xs[a][p];
-                        // |v| · (x with v's sign): each i16 pair sum fits (≤ 2 · 127 · 127).
-                        let v = _mm256_add_epi32(
-                            _mm256_madd_epi16(
-                                _mm256_maddubs_epi16(alo, _mm256_sign_epi8(xlo, vlo)),
-                                ones,
-                            ),
-                            _mm256_madd_epi16(
-                                _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xhi, vhi)),
-                                ones,
-                            ),
-                        );
-                        lanes[a][p][r].write(v);
-                    }
-                } else {
-                    for a in 0..A {
-                        let (xlo, xhi) = xs[a][p];
-                        // q ≤ 15, |x| ≤ 127: both i16 sums together stay ≤ 4 · 15 · 127.
-                        let v = _mm256_madd_epi16(
-                            _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo, xlo),
-                                _mm256_maddubs_epi16(hi, xhi),
-                            ),
-                            ones,
-                        );
-                        lanes[a][p][r].write(v);
-                    }
-                }
-            }
-        }
-        for p in 0..pairs {
-            // Per activation row and 128-bit half (block b, then b + 1): the sums of weight
-            // rows 0–3, then rows 4–7.
-            let sums: [[__m256i; 2]; A] = std::array::from_fn(|a| {
-                // SAFETY: the loop above wrote all eight rows of pairs 0..pairs.
-                let v: [__m256i; 8] =
-                    std::array::from_fn(|r| unsafe { lanes[a][p][r].assume_init() });
-                let h0123 =
-                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-                let h4567 =
-                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-                [
-                    _mm256_permute2x128_si256(h0123, h4567, 0x20),
-                    _mm256_permute2x128_si256(h0123, h4567, 0x31),
-                ]
-            });
-            for h in 0..2 {
-                let b = b0 + 2 * p + h;
-                if b >= b1 {
-                    break;
-                }
-                let dwb = dw(b);
-                for a in 0..A {
-                    let isum = if IQ4 {
-                        sums[a][h]
-                    } else {
-                        _mm256_sub_epi32(sums[a][h], _mm256_set1_epi32(8 * sum_x[a][2 * p + h]))
-                    };
-                    let d = _mm256_mul_ps(dwb, _mm256_set1_ps(x[a].scales[b]));
-                    acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc[a]);
-                }
-            }
-        }
-    }
-    let mut out = [[0.0f32; 8]; A];
-    for a in 0..A {
-        // SAFETY: 8 f32 = 32 bytes.
-        unsafe { _mm256_storeu_ps(out[a].as_mut_ptr(), acc[a]) };
-    }
-    out
 }
 
 /// 8 f16 or bf16 values widened to f32.

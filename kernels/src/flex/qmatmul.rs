@@ -556,7 +556,7 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
             #[cfg(target_arch = "x86_64")]
             if fast && cols.len() == 8 * m {
                 let j0 = 8 * g;
-                let weights = || blocks_avx2::Repacked8::Q4_0 {
+                let weights = || blocks32_avx2::Repacked8::Q4_0 {
                     quants: std::array::from_fn(|r| {
                         &bytes[(j0 + r) * row_bytes..(j0 + r + 1) * row_bytes]
                     }),
@@ -568,7 +568,7 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
                 while i + 4 <= m {
                     let x = std::array::from_fn(|a| &rows[i + a]);
                     // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
-                    let y = unsafe { blocks_avx2::dot8_repacked_32::<4>(nb, x, weights()) };
+                    let y = unsafe { blocks32_avx2::dot8_repacked_32::<4>(nb, x, weights()) };
                     for (a, y) in y.iter().enumerate() {
                         (0..8).for_each(|r| cols[r * m + i + a] = y[r]);
                     }
@@ -577,7 +577,7 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
                 for i in i..m {
                     // SAFETY: as above.
                     let [y] =
-                        unsafe { blocks_avx2::dot8_repacked_32::<1>(nb, [&rows[i]], weights()) };
+                        unsafe { blocks32_avx2::dot8_repacked_32::<1>(nb, [&rows[i]], weights()) };
                     (0..8).for_each(|r| cols[r * m + i] = y[r]);
                 }
                 return;
@@ -726,17 +726,21 @@ mod tests {
                 .collect();
             let w: Vec<u8> = (0..8 * nb * 16).map(|_| (next() * 256.0) as u8).collect();
             let s: Vec<f32> = (0..8 * nb).map(|_| next() * 0.1).collect();
-            let weights = || blocks_avx2::Repacked8::Q4_0 {
+            let weights = || blocks32_avx2::Repacked8::Q4_0 {
                 quants: std::array::from_fn(|r| &w[r * nb * 16..(r + 1) * nb * 16]),
                 scales: std::array::from_fn(|r| &s[r * nb..(r + 1) * nb]),
             };
             // SAFETY: the CPU has AVX2 (checked above).
             let four = unsafe {
-                blocks_avx2::dot8_repacked_32::<4>(nb, std::array::from_fn(|a| &rows[a]), weights())
+                blocks32_avx2::dot8_repacked_32::<4>(
+                    nb,
+                    std::array::from_fn(|a| &rows[a]),
+                    weights(),
+                )
             };
             for (a, row) in rows.iter().enumerate() {
                 // SAFETY: as above.
-                let [one] = unsafe { blocks_avx2::dot8_repacked_32::<1>(nb, [row], weights()) };
+                let [one] = unsafe { blocks32_avx2::dot8_repacked_32::<1>(nb, [row], weights()) };
                 for r in 0..8 {
                     let want = blocks::dot_repacked_32(
                         nb,
