@@ -699,3 +699,22 @@ fn structured_output_follows_the_schema_with_the_openai_client() {
     let status = server.terminate(Duration::from_secs(30));
     assert!(status.success(), "toy serve exited with {status}");
 }
+
+/// Tool calls with the openai client on a model whose template has Hermes tool syntax (tiny
+/// SmolLM3 with Qwen 2.5's template, fixtures/chat/qwen2.5-tools.jinja): forced calls
+/// (`required`, named) valid under each function's schema, the same call streamed as deltas, the
+/// round trip through a `role: tool` result, and 400s (toy-serve/tests/py/tools_e2e.py).
+#[test]
+fn tool_calls_round_trip_with_the_openai_client() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let model = root().join("fixtures/models/tiny-smollm3.gguf");
+    let template = root().join("fixtures/chat/qwen2.5-tools.jinja");
+    let mut server = Server::start_model(
+        &model,
+        &["--chat-template-file", template.to_str().unwrap()],
+    );
+    let out = run_python("tools_e2e.py", &[&server.url, KEY]);
+    assert_eq!(out["forced_calls"], 8);
+    let status = server.terminate(Duration::from_secs(30));
+    assert!(status.success(), "toy serve exited with {status}");
+}

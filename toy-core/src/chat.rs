@@ -4,7 +4,11 @@
 //! What transformers sets up, and so what this module sets up:
 //! - `trim_blocks` and `lstrip_blocks` on (a newline after a block tag is dropped, whitespace
 //!   before a block tag on its line is dropped);
-//! - the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`;
+//! - the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `tools`
+//!   when the caller offers functions ([`render_json`]);
+//! - transformers' `tojson` (Python's `json.dumps`: `", "` and `": "` separators, non-ASCII
+//!   kept, keys in their given order, `indent`), not minijinja's HTML-safe compact one — tool
+//!   schemas reach the prompt through it;
 //! - the function `raise_exception(message)`, which templates call to refuse a conversation (for
 //!   example roles that do not alternate);
 //! - Python string and dict methods (`.strip()`, `.startswith()`, `.items()` …) through
@@ -65,6 +69,28 @@ pub fn render(
     bos_token: &str,
     eos_token: &str,
 ) -> Result<String, ChatError> {
+    let messages = serde_json::to_value(messages).expect("messages serialize");
+    render_json(
+        template,
+        &messages,
+        None,
+        add_generation_prompt,
+        bos_token,
+        eos_token,
+    )
+}
+
+/// [`render`] for messages as OpenAI's API sends them (any fields: `tool_calls`,
+/// `tool_call_id`, `name` …) and, when given, the `tools` a template describes to the model.
+/// Without tools the variable is undefined, as in transformers.
+pub fn render_json(
+    template: &str,
+    messages: &serde_json::Value,
+    tools: Option<&serde_json::Value>,
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, ChatError> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
@@ -79,21 +105,30 @@ pub fn render(
             ))
         },
     );
+    env.add_filter("tojson", python_tojson);
     env.add_template("chat", template)
         .map_err(|e| ChatError::Template(describe(&e)))?;
     let tmpl = env
         .get_template("chat")
         .map_err(|e| ChatError::Template(describe(&e)))?;
     let mut out = CappedWriter::default();
-    let rendered = tmpl.render_captured_to(
-        context! {
+    let messages = minijinja::Value::from_serialize(messages);
+    let ctx = match tools {
+        Some(tools) => context! {
+            messages => messages,
+            tools => minijinja::Value::from_serialize(tools),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token,
+            eos_token => eos_token,
+        },
+        None => context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,
         },
-        &mut out,
-    );
+    };
+    let rendered = tmpl.render_captured_to(ctx, &mut out);
     match rendered {
         Ok(_) => String::from_utf8(out.bytes)
             .map_err(|_| ChatError::Template("the template produced invalid UTF-8".into())),
@@ -110,6 +145,87 @@ pub fn render(
             None => ChatError::Template(describe(&e)),
         }),
     }
+}
+
+/// transformers' `tojson(x, indent=None)`: `json.dumps(x, ensure_ascii=False, indent=indent)`.
+fn python_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    dump_python(&json, indent, 0, &mut out);
+    // Marked safe, as jinja2's tojson is (no autoescape runs on chat templates anyway).
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+/// Python's `json.dumps` layout for `v`.
+fn dump_python(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * level));
+        }
+    };
+    // With an indent, Python's item separator drops its trailing space.
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Null => out.push_str("null"),
+        J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        J::Number(n) => out.push_str(&n.to_string()),
+        J::String(s) => python_string(s, out),
+        J::Array(items) if items.is_empty() => out.push_str("[]"),
+        J::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                dump_python(item, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        J::Object(map) if map.is_empty() => out.push_str("{}"),
+        J::Object(map) => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                python_string(k, out);
+                out.push_str(": ");
+                dump_python(item, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push('}');
+        }
+    }
+}
+
+/// A JSON string as `json.dumps(..., ensure_ascii=False)` writes it.
+fn python_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
 }
 
 /// Collects the rendered text and refuses to grow past [`MAX_RENDERED_BYTES`].
@@ -282,5 +398,33 @@ mod tests {
             }
         }
         assert_eq!(refusals, 12);
+    }
+
+    /// Every case of fixtures/chat/tool_cases.json: tool conversations and `tools` through
+    /// Qwen 2.5's template and transformers' `tojson` (jinja2, make_tool_fixtures.py).
+    #[test]
+    fn tools_and_tojson_match_transformers() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/chat/tool_cases.json");
+        let text = std::fs::read_to_string(&path).expect("fixtures/chat/tool_cases.json");
+        let fixture: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let cases = fixture["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 9);
+        for case in cases {
+            let template = fixture["templates"][case["template"].as_str().unwrap()]
+                .as_str()
+                .unwrap();
+            let messages = &fixture["conversations"][case["conversation"].as_str().unwrap()];
+            let tools = Some(&case["tools"]).filter(|t| !t.is_null());
+            let got = render_json(template, messages, tools, true, "", "").unwrap();
+            assert_eq!(
+                got,
+                case["expected"].as_str().unwrap(),
+                "{} / {} / tools={}",
+                case["template"],
+                case["conversation"],
+                tools.is_some()
+            );
+        }
     }
 }

@@ -73,7 +73,7 @@ pub struct Checked {
     pub include_usage: bool,
     pub cache_prompt: bool,
     /// The grammar the output must follow (compiled per model by [`crate::grammar::Grammars`]).
-    pub grammar: Option<llguidance::api::TopLevelGrammar>,
+    pub grammar: Option<crate::grammar::Requested>,
 }
 
 fn range(name: &str, v: Option<f32>, lo: f32, hi: f32, default: f32) -> Result<f32, ApiError> {
@@ -198,6 +198,14 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's calls (`[{"id", "type": "function", "function": {"name", "arguments"}}]`).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -235,6 +243,11 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u32>,
     pub tools: Option<Value>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name": …}}`.
+    pub tool_choice: Option<Value>,
+    /// Whether a forced call (`required`) may be several calls; off by default, as in
+    /// llama-server (small models repeat calls when allowed to).
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }

@@ -18,8 +18,15 @@ use crate::error::ApiError;
 /// How JSON is laid out when the schema does not say (`x-guidance`): `json.dumps`'s separators
 /// and no other whitespace, the form models have seen most. Flexible whitespace lets a small
 /// model pad with newlines until `max_tokens` cuts the object short.
-fn json_layout() -> Value {
+pub(crate) fn json_layout() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
+/// A grammar a request asked for, and the request field it came from (named in its errors).
+#[derive(Debug, Clone)]
+pub struct Requested {
+    pub grammar: TopLevelGrammar,
+    pub param: &'static str,
 }
 
 /// The grammar a request asks for, if any (at most one of `response_format` other than `text`,
@@ -28,7 +35,7 @@ pub fn requested(
     response_format: Option<&Value>,
     json_schema: Option<&Value>,
     grammar: Option<&str>,
-) -> Result<Option<TopLevelGrammar>, ApiError> {
+) -> Result<Option<Requested>, ApiError> {
     let from_format = match response_format {
         None => None,
         Some(fmt) => match fmt.get("type").and_then(Value::as_str) {
@@ -65,10 +72,14 @@ pub fn requested(
             crate::gbnf::to_lark(g).map_err(|e| ApiError::invalid(Some("grammar"), e))?,
         )),
     };
-    let mut given: Vec<TopLevelGrammar> = [from_format, from_schema, from_grammar]
-        .into_iter()
-        .flatten()
-        .collect();
+    let mut given: Vec<Requested> = [
+        (from_format, "response_format"),
+        (from_schema, "json_schema"),
+        (from_grammar, "grammar"),
+    ]
+    .into_iter()
+    .filter_map(|(g, param)| g.map(|grammar| Requested { grammar, param }))
+    .collect();
     if given.len() > 1 {
         return Err(ApiError::invalid(
             Some("grammar"),
@@ -110,13 +121,13 @@ impl Grammars {
     pub fn compile(
         &self,
         tokenizer: &Tokenizer,
-        grammar: TopLevelGrammar,
+        requested: Requested,
     ) -> Result<Constraint, ApiError> {
         let factory = self.factory(tokenizer).map_err(ApiError::internal)?;
-        let matcher = Matcher::new(factory.create_parser(grammar));
+        let matcher = Matcher::new(factory.create_parser(requested.grammar));
         if let Some(e) = matcher.get_error() {
             return Err(ApiError::invalid(
-                Some("response_format"),
+                Some(requested.param),
                 format!("the grammar cannot be used: {e}"),
             ));
         }
@@ -201,7 +212,7 @@ impl Constraint {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn tokenizer() -> Tokenizer {
@@ -234,6 +245,18 @@ mod tests {
             }
         }
         tok.decode(&ids)
+    }
+
+    /// The text `grammar` gives under random logits (tiny-llama3's vocabulary), for the tests
+    /// of other modules that build grammars.
+    pub(crate) fn sample_with_random_logits(grammar: TopLevelGrammar, seed: u64) -> String {
+        let tok = tokenizer();
+        let requested = Requested {
+            grammar,
+            param: "test",
+        };
+        let mut c = Grammars::default().compile(&tok, requested).unwrap();
+        generate(&mut c, &tok, seed, 400)
     }
 
     #[test]
@@ -298,10 +321,12 @@ mod tests {
         let g = requested(None, None, Some("start: undefined_rule"))
             .unwrap()
             .unwrap();
-        assert!(grammars.compile(&tok, g).is_err());
+        let e = grammars.compile(&tok, g).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("grammar"));
         let g = requested(None, Some(&json!({"type": "object", "required": 5})), None)
             .unwrap()
             .unwrap();
-        assert!(grammars.compile(&tok, g).is_err());
+        let e = grammars.compile(&tok, g).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("json_schema"));
     }
 }

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod prefix_cache;
 pub mod server;
 pub mod state;
+pub mod tools;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

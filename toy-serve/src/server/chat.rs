@@ -10,7 +10,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
-use toy_core::chat::{self, ChatMessage};
+use toy_core::chat;
 use toy_core::tokenizer::Tokenizer;
 
 use super::jobs::{collect, engine_error, gen_jobs, note_finish, submit, usage};
@@ -23,7 +23,9 @@ use super::{AppState, logged};
 use crate::api::ChatRequest;
 use crate::engine::{GenEvent, ModelInfo, TokenLogprob};
 use crate::error::ApiError;
+use crate::grammar::Requested;
 use crate::state::{Admission, RequestLog};
+use crate::tools::{self, CallSplitter, Piece};
 
 fn chat_logprob_entry(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
     let entry = |id: u32, logprob: f32| {
@@ -44,23 +46,13 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
         let req: ChatRequest = read_json(&s2, &headers, body).await?;
         let info = ready(&s2)?;
         check_model(&info, req.model.as_deref())?;
-        if req
-            .tools
-            .as_ref()
-            .is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()))
-        {
-            return Err(ApiError::invalid(
-                Some("tools"),
-                "tools (function calling) are not supported by toy serve",
-            ));
-        }
         if req.messages.is_empty() {
             return Err(ApiError::invalid(
                 Some("messages"),
                 "messages must contain at least one message",
             ));
         }
-        let checked = req.sampling.check(info.vocab)?;
+        let mut checked = req.sampling.check(info.vocab)?;
         let top_logprobs = req.top_logprobs.unwrap_or(0);
         if top_logprobs > 20 {
             return Err(ApiError::invalid(
@@ -82,20 +74,39 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                 "max_tokens must be at least 1",
             ));
         }
-        let mut messages = Vec::with_capacity(req.messages.len());
-        for (i, m) in req.messages.iter().enumerate() {
-            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
-            messages.push(ChatMessage::new(role, m.text(i)?));
-        }
         let template = info.tokenizer.chat_template().ok_or_else(|| {
             ApiError::invalid(
                 Some("messages"),
                 "this model has no chat template (tokenizer.chat_template): use /v1/completions, or start toy serve with --chat-template-file",
             )
         })?;
-        let prompt_text = chat::render(
+        let tools = tools::check(
+            req.tools.as_ref(),
+            req.tool_choice.as_ref(),
+            req.parallel_tool_calls.unwrap_or(false),
             template,
-            &messages,
+        )?;
+        if let Some(grammar) = tools.as_ref().and_then(|t| t.grammar()) {
+            if checked.grammar.is_some() {
+                return Err(ApiError::invalid(
+                    Some("tool_choice"),
+                    "a forced tool call (tool_choice required or named) cannot be combined with response_format, json_schema or grammar",
+                ));
+            }
+            checked.grammar = Some(Requested {
+                grammar,
+                param: "tool_choice",
+            });
+        }
+        let mut messages = Vec::with_capacity(req.messages.len());
+        for (i, m) in req.messages.iter().enumerate() {
+            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+            messages.push(tools::template_message(role, m.text(i)?, m));
+        }
+        let prompt_text = chat::render_json(
+            template,
+            &Value::Array(messages),
+            tools.as_ref().map(|t| &t.tools),
             true,
             info.tokenizer.bos_text().unwrap_or_default(),
             info.tokenizer.eos_text().unwrap_or_default(),
@@ -136,6 +147,9 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                 cached_tokens: 0,
                 include_usage: checked.include_usage,
                 logprobs: want_logprobs,
+                calls: tools
+                    .is_some()
+                    .then(|| (0..checked.n).map(|_| (CallSplitter::default(), 0)).collect()),
                 out: VecDeque::new(),
                 opened: false,
                 finished: false,
@@ -165,11 +179,26 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                 } else {
                     Value::Null
                 };
+                let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
+                let mut finish = f.reason.as_str();
+                if tools.is_some() {
+                    let (content, calls) = tools::parse(&c.text);
+                    message["content"] = json!(content);
+                    if !calls.is_empty() {
+                        message["tool_calls"] = calls
+                            .iter()
+                            .map(|call| call.to_json(&tools::call_id(), None))
+                            .collect();
+                        if finish == "stop" {
+                            finish = "tool_calls";
+                        }
+                    }
+                }
                 json!({
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text, "refusal": null},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": f.reason.as_str(),
+                    "finish_reason": finish,
                 })
             })
             .collect();
@@ -199,6 +228,8 @@ struct ChatStream {
     cached_tokens: usize,
     include_usage: bool,
     logprobs: bool,
+    /// With tools: each choice's splitter of content from calls, and its calls so far.
+    calls: Option<Vec<(CallSplitter, usize)>>,
     out: VecDeque<String>,
     opened: bool,
     finished: bool,
@@ -272,17 +303,16 @@ impl ChatStream {
                         }),
                         _ => Value::Null,
                     };
-                    if !text.is_empty() || !lp.is_null() {
-                        let d = self.delta(i, json!({"content": text}), lp, None);
-                        self.out.push_back(d);
-                    }
+                    self.text(i, text, lp, false);
                 }
                 GenEvent::Done(f) => {
-                    if !f.tail.is_empty() {
-                        let d = self.delta(i, json!({"content": f.tail}), Value::Null, None);
-                        self.out.push_back(d);
-                    }
-                    let d = self.delta(i, json!({}), Value::Null, Some(f.reason.as_str()));
+                    self.text(i, f.tail.clone(), Value::Null, true);
+                    let called = self.calls.as_ref().is_some_and(|c| c[i].1 > 0);
+                    let reason = match f.reason.as_str() {
+                        "stop" if called => "tool_calls",
+                        r => r,
+                    };
+                    let d = self.delta(i, json!({}), Value::Null, Some(reason));
                     self.out.push_back(d);
                     self.completion_tokens += f.completion_tokens;
                     self.cached_tokens = self.cached_tokens.max(f.cached_tokens);
@@ -313,6 +343,50 @@ impl ChatStream {
                     self.fail(e);
                 }
             }
+        }
+    }
+
+    /// Choice `i`'s next text as content deltas — or, with tools, as content and `tool_calls`
+    /// deltas (a call's id and name, then its arguments) once each call is whole. `last`: the
+    /// choice is done, so held-back text goes out.
+    fn text(&mut self, i: usize, text: String, lp: Value, last: bool) {
+        let pieces = match &mut self.calls {
+            None => vec![Piece::Text(text)],
+            Some(calls) => {
+                let mut p = calls[i].0.push(&text);
+                if last {
+                    p.extend(calls[i].0.finish());
+                }
+                p
+            }
+        };
+        let mut lp = Some(lp).filter(|l| !l.is_null());
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) if t.is_empty() => {}
+                Piece::Text(t) => {
+                    let l = lp.take().unwrap_or(Value::Null);
+                    let d = self.delta(i, json!({"content": t}), l, None);
+                    self.out.push_back(d);
+                }
+                Piece::Call(call) => {
+                    let calls = self.calls.as_mut().expect("calls come from the splitter");
+                    let index = calls[i].1;
+                    calls[i].1 += 1;
+                    let mut head = call.to_json(&tools::call_id(), Some(index));
+                    head["function"]["arguments"] = json!("");
+                    let d = self.delta(i, json!({"tool_calls": [head]}), Value::Null, None);
+                    self.out.push_back(d);
+                    let args = json!({"index": index, "function": {"arguments": call.arguments}});
+                    let d = self.delta(i, json!({"tool_calls": [args]}), Value::Null, None);
+                    self.out.push_back(d);
+                }
+            }
+        }
+        // A token whose text is held back still reports its logprob.
+        if let Some(l) = lp {
+            let d = self.delta(i, json!({"content": ""}), l, None);
+            self.out.push_back(d);
         }
     }
 

@@ -170,6 +170,9 @@ expect(openai.AuthenticationError, lambda: bad.models.list(), "incorrect API key
 expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, max_tokens=10**6), "maximum context length")
 expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, response_format={"type": "xml"}), "response_format")
 expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, temperature=5), "temperature")
+# These models' templates have no tool-call syntax: a clear 400 (tools_e2e.py covers one that has).
+TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, tools=TOOL), "no tool-call syntax")
 
 print(json.dumps({
     "model": model,

@@ -1,0 +1,516 @@
+//! Function calling: a chat request's `tools` and `tool_choice` checked, the tools handed to the
+//! chat template (its `tools` variable, as transformers and llama.cpp's jinja path pass it), and
+//! the model's tool-call syntax parsed back into OpenAI `tool_calls` — whole, or as streamed
+//! deltas ([`CallSplitter`]).
+//!
+//! The syntax toy reads is the Hermes one that Qwen 2.5/3, SmolLM3, Hermes and many fine-tunes
+//! use: `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`, one block per call
+//! (llama.cpp's `COMMON_CHAT_FORMAT_HERMES_2_PRO`). A template that never writes `<tool_call>`
+//! has no syntax toy knows, and a request with tools gets a 400 saying so.
+//!
+//! `tool_choice`: `auto` (the default) lets the model choose and parses what it wrote; `required`
+//! and a named function constrain the output with a grammar (llguidance, as structured output
+//! does) to one or more calls whose `arguments` follow each function's `parameters` schema;
+//! `none` renders the conversation without tools and parses nothing.
+
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+
+/// What the request asked of its tools.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Choice {
+    Auto,
+    Required,
+    /// One function, by name.
+    Named(String),
+}
+
+/// Checked `tools` of a request whose `tool_choice` is not `none`.
+#[derive(Debug, Clone)]
+pub struct ToolRequest {
+    /// The `tools` array as the client sent it (what the template renders).
+    pub tools: Value,
+    pub choice: Choice,
+    /// `parallel_tool_calls`: a forced call may be several.
+    parallel: bool,
+    /// Each function's name and `parameters` schema (`{"type": "object"}` when absent).
+    functions: Vec<(String, Value)>,
+}
+
+/// Whether `template` writes Hermes-style tool calls.
+pub fn template_has_tool_syntax(template: &str) -> bool {
+    template.contains(OPEN)
+}
+
+/// Check `tools` and `tool_choice`. `Ok(None)`: no tools, or `tool_choice: "none"`.
+pub fn check(
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
+    parallel: bool,
+    template: &str,
+) -> Result<Option<ToolRequest>, ApiError> {
+    let invalid = |param: &str, msg: String| ApiError::invalid(Some(param), msg);
+    let list = match tools {
+        None | Some(Value::Null) => &[][..],
+        Some(Value::Array(a)) => &a[..],
+        Some(_) => return Err(invalid("tools", "tools must be an array".into())),
+    };
+    let mut functions = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(invalid(
+                &param,
+                format!("{param}.type must be \"function\" (the only kind of tool)"),
+            ));
+        }
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+            invalid(
+                &param,
+                format!("{param}.function must be an object with a name"),
+            )
+        })?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| invalid(&param, format!("{param}.function.name must be a string")))?;
+        if functions.iter().any(|(n, _)| n == name) {
+            return Err(invalid(&param, format!("two tools are named {name:?}")));
+        }
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object"}),
+            Some(p) if p.is_object() => p.clone(),
+            Some(_) => {
+                return Err(invalid(
+                    &param,
+                    format!("{param}.function.parameters must be a JSON schema object"),
+                ));
+            }
+        };
+        functions.push((name.to_string(), parameters));
+    }
+    let choice = match tool_choice {
+        None | Some(Value::Null) => Choice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => return Ok(None),
+            "auto" => Choice::Auto,
+            "required" => Choice::Required,
+            other => {
+                return Err(invalid(
+                    "tool_choice",
+                    format!(
+                        "tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": …}}}}, got {other:?}"
+                    ),
+                ));
+            }
+        },
+        Some(v) => {
+            let name = v
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    invalid(
+                        "tool_choice",
+                        "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}".into(),
+                    )
+                })?;
+            if !functions.iter().any(|(n, _)| n == name) {
+                return Err(invalid(
+                    "tool_choice",
+                    format!("tool_choice names {name:?}, which is not one of the tools"),
+                ));
+            }
+            Choice::Named(name.to_string())
+        }
+    };
+    if functions.is_empty() {
+        return match choice {
+            Choice::Auto => Ok(None),
+            _ => Err(invalid(
+                "tool_choice",
+                "tool_choice asks for a tool call but tools is empty".into(),
+            )),
+        };
+    }
+    if !template_has_tool_syntax(template) {
+        return Err(invalid(
+            "tools",
+            "this model's chat template has no tool-call syntax toy knows (Hermes-style <tool_call> blocks): \
+             start toy serve with a --chat-template-file that has one, or send the request without tools"
+                .into(),
+        ));
+    }
+    Ok(Some(ToolRequest {
+        tools: Value::Array(list.to_vec()),
+        choice,
+        parallel,
+        functions,
+    }))
+}
+
+impl ToolRequest {
+    /// The grammar that forces a call (`required`, or a named function), as Lark for
+    /// llguidance: one or more `<tool_call>` blocks, each an object with one of the allowed
+    /// names and arguments following that function's schema. `None` for `auto`.
+    pub fn grammar(&self) -> Option<llguidance::api::TopLevelGrammar> {
+        let one = |name: &str, parameters: &Value| {
+            json!({
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            })
+        };
+        let schema = match &self.choice {
+            Choice::Auto => return None,
+            Choice::Named(name) => {
+                let (_, p) = self.functions.iter().find(|(n, _)| n == name)?;
+                one(name, p)
+            }
+            Choice::Required => json!({
+                "anyOf": self.functions.iter().map(|(n, p)| one(n, p)).collect::<Vec<_>>()
+            }),
+        };
+        let mut schema = schema;
+        schema["x-guidance"] = crate::grammar::json_layout();
+        let repeat = if self.parallel { "+" } else { "" };
+        let lark = format!(
+            "start: call{repeat}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {schema}\n"
+        );
+        Some(llguidance::api::TopLevelGrammar::from_lark(lark))
+    }
+}
+
+/// One parsed call, in OpenAI's shape (`arguments` is a JSON string).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+impl ToolCall {
+    /// `{"id", "type": "function", "function": {"name", "arguments"}}`, with `index` in a stream.
+    pub fn to_json(&self, id: &str, index: Option<usize>) -> Value {
+        let mut v = json!({
+            "id": id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        });
+        if let Some(i) = index {
+            v["index"] = json!(i);
+        }
+        v
+    }
+}
+
+/// The body of a `<tool_call>` block as a call, if it is one (`{"name": …, "arguments": …}`;
+/// arguments given as a JSON string are kept as that string).
+fn parse_call(body: &str) -> Option<ToolCall> {
+    let v: Value = serde_json::from_str(body.trim()).ok()?;
+    let name = v.get("name")?.as_str()?.to_string();
+    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+        None | Some(Value::Null) => "{}".to_string(),
+        Some(Value::String(s)) => s.clone(),
+        Some(a) => a.to_string(),
+    };
+    Some(ToolCall { name, arguments })
+}
+
+/// What a generated text says: content before the calls (None when only whitespace) and the
+/// calls. A block that does not parse stays in the content, as the model wrote it.
+pub fn parse(text: &str) -> (Option<String>, Vec<ToolCall>) {
+    let mut splitter = CallSplitter::default();
+    let mut pieces = splitter.push(text);
+    pieces.extend(splitter.finish());
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for p in pieces {
+        match p {
+            Piece::Text(t) => content.push_str(&t),
+            Piece::Call(c) => calls.push(c),
+        }
+    }
+    let content = if calls.is_empty() {
+        Some(content)
+    } else {
+        Some(content.trim().to_string()).filter(|c| !c.is_empty())
+    };
+    (content, calls)
+}
+
+/// A piece of streamed output: text for `delta.content`, or a whole call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Text(String),
+    Call(ToolCall),
+}
+
+/// Splits streamed text into content and calls: text passes through at once except what could
+/// be the start of `<tool_call>`, which waits until it is known; a block is held until its
+/// `</tool_call>` and comes out as one call.
+#[derive(Debug, Default)]
+pub struct CallSplitter {
+    pending: String,
+    in_call: bool,
+}
+
+impl CallSplitter {
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.pending.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            if self.in_call {
+                let Some(end) = self.pending.find(CLOSE) else {
+                    break;
+                };
+                let block = self.pending[..end].to_string();
+                self.pending.drain(..end + CLOSE.len());
+                self.in_call = false;
+                match parse_call(&block) {
+                    Some(call) => out.push(Piece::Call(call)),
+                    None => out.push(Piece::Text(format!("{OPEN}{block}{CLOSE}"))),
+                }
+            } else if let Some(start) = self.pending.find(OPEN) {
+                if start > 0 {
+                    out.push(Piece::Text(self.pending[..start].to_string()));
+                }
+                self.pending.drain(..start + OPEN.len());
+                self.in_call = true;
+            } else {
+                // Keep the longest tail that is a prefix of `<tool_call>`.
+                let keep = (1..OPEN.len().min(self.pending.len() + 1))
+                    .rev()
+                    .find(|&k| {
+                        self.pending.is_char_boundary(self.pending.len() - k)
+                            && OPEN.starts_with(&self.pending[self.pending.len() - k..])
+                    })
+                    .unwrap_or(0);
+                let emit = self.pending.len() - keep;
+                if emit > 0 {
+                    out.push(Piece::Text(self.pending[..emit].to_string()));
+                    self.pending.drain(..emit);
+                }
+                break;
+            }
+        }
+        out
+    }
+
+    /// The end of the output: what was held back is text (an unclosed block included).
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut rest = std::mem::take(&mut self.pending);
+        if std::mem::take(&mut self.in_call) {
+            rest.insert_str(0, OPEN);
+        }
+        if rest.is_empty() {
+            vec![]
+        } else {
+            vec![Piece::Text(rest)]
+        }
+    }
+}
+
+/// A message of the request as the template reads it: `role`, `content` (text), and for
+/// assistant turns with calls their `tool_calls` with `arguments` decoded to an object — Hermes
+/// templates write `tool_call.arguments | tojson`, and llama.cpp hands them objects too.
+pub fn template_message(role: &str, content: String, raw: &crate::api::Message) -> Value {
+    let mut m = json!({"role": role, "content": content});
+    if let Some(calls) = &raw.tool_calls {
+        let calls: Vec<Value> = calls
+            .iter()
+            .map(|c| {
+                let mut c = c.clone();
+                if let Some(args) = c.pointer("/function/arguments").and_then(Value::as_str)
+                    && let Ok(obj) = serde_json::from_str::<Value>(args)
+                {
+                    c["function"]["arguments"] = obj;
+                }
+                c
+            })
+            .collect();
+        m["tool_calls"] = Value::Array(calls);
+    }
+    if let Some(id) = &raw.tool_call_id {
+        m["tool_call_id"] = json!(id);
+    }
+    if let Some(name) = &raw.name {
+        m["name"] = json!(name);
+    }
+    m
+}
+
+/// A call id: `call_` and 24 random alphanumerics, as OpenAI's.
+pub fn call_id() -> String {
+    use rand::Rng;
+    const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let mut rng = rand::rng();
+    let tail: String = (0..24)
+        .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
+        .collect();
+    format!("call_{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HERMES: &str =
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}";
+
+    fn weather() -> Value {
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"]}}}])
+    }
+
+    #[test]
+    fn parses_calls_and_content() {
+        let (content, calls) = parse(
+            "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+        );
+        assert_eq!(content.as_deref(), Some("Let me look."));
+        assert_eq!(
+            calls,
+            vec![
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: r#"{"city":"Paris"}"#.into()
+                },
+                ToolCall {
+                    name: "f".into(),
+                    arguments: "{}".into()
+                },
+            ]
+        );
+        // No call: all content, whitespace kept. A broken block stays text.
+        assert_eq!(parse(" hi ").0.as_deref(), Some(" hi "));
+        let broken = "<tool_call>\n{not json}\n</tool_call>";
+        assert_eq!(parse(broken), (Some(broken.to_string()), vec![]));
+        let (content, calls) = parse("<tool_call>{\"name\": \"f\"");
+        assert!(calls.is_empty());
+        assert_eq!(content.as_deref(), Some("<tool_call>{\"name\": \"f\""));
+    }
+
+    #[test]
+    fn streamed_pieces_equal_the_whole_parse_at_every_split() {
+        let text = "ok <tool <tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": \"é<\"}}\n</tool_call> tail <tool_ca";
+        let whole = {
+            let mut s = CallSplitter::default();
+            let mut p = s.push(text);
+            p.extend(s.finish());
+            p
+        };
+        let flatten = |pieces: Vec<Piece>| {
+            let mut out: Vec<Piece> = Vec::new();
+            for p in pieces {
+                match (out.last_mut(), p) {
+                    (Some(Piece::Text(a)), Piece::Text(b)) => a.push_str(&b),
+                    (_, p) => out.push(p),
+                }
+            }
+            out
+        };
+        for step in 1..8 {
+            let mut s = CallSplitter::default();
+            let mut pieces = Vec::new();
+            let chars: Vec<char> = text.chars().collect();
+            for chunk in chars.chunks(step) {
+                pieces.extend(s.push(&chunk.iter().collect::<String>()));
+            }
+            pieces.extend(s.finish());
+            assert_eq!(flatten(pieces), flatten(whole.clone()), "step {step}");
+        }
+        assert_eq!(
+            flatten(whole),
+            vec![
+                Piece::Text("ok <tool ".into()),
+                Piece::Call(ToolCall {
+                    name: "a".into(),
+                    arguments: r#"{"x":"é<"}"#.into()
+                }),
+                Piece::Text(" tail <tool_ca".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn checks_tools_and_choices() {
+        let t = weather();
+        let r = check(Some(&t), None, false, HERMES).unwrap().unwrap();
+        assert_eq!(r.choice, Choice::Auto);
+        assert!(r.grammar().is_none());
+        assert!(
+            check(Some(&t), Some(&json!("none")), false, HERMES)
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            check(Some(&json!([])), None, false, HERMES)
+                .unwrap()
+                .is_none()
+        );
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let r = check(Some(&t), Some(&named), false, HERMES)
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.choice, Choice::Named("get_weather".into()));
+        assert!(r.grammar().is_some());
+        for (tools, choice, template, param) in [
+            (json!({}), None, HERMES, "tools"),
+            (json!([{"type": "code"}]), None, HERMES, "tools[0]"),
+            (
+                json!([{"type": "function", "function": {}}]),
+                None,
+                HERMES,
+                "tools[0]",
+            ),
+            (t.clone(), Some(json!("sometimes")), HERMES, "tool_choice"),
+            (
+                t.clone(),
+                Some(json!({"type": "function", "function": {"name": "nope"}})),
+                HERMES,
+                "tool_choice",
+            ),
+            (json!([]), Some(json!("required")), HERMES, "tool_choice"),
+            (t.clone(), None, "{{ messages }}", "tools"),
+        ] {
+            let e = check(Some(&tools), choice.as_ref(), false, template).unwrap_err();
+            assert_eq!(
+                e.param.as_deref(),
+                Some(param),
+                "{tools} {choice:?}: {}",
+                e.message
+            );
+        }
+    }
+
+    /// A forced call, with random logits, is a parsable call whose arguments follow the schema.
+    #[test]
+    fn forced_calls_follow_the_schema() {
+        // One call (parallel_tool_calls off): the grammar ends after it.
+        let r = check(Some(&weather()), Some(&json!("required")), false, HERMES)
+            .unwrap()
+            .unwrap();
+        let text = crate::grammar::tests::sample_with_random_logits(r.grammar().unwrap(), 7);
+        let (content, calls) = parse(&text);
+        assert_eq!(content, None, "{text}");
+        assert_eq!(calls.len(), 1, "{text}");
+        for c in calls {
+            assert_eq!(c.name, "get_weather");
+            let args: Value = serde_json::from_str(&c.arguments).unwrap();
+            assert!(args["city"].is_string(), "{text}");
+            assert!(
+                ["c", "f"].contains(&args["unit"].as_str().unwrap()),
+                "{text}"
+            );
+        }
+    }
+}
