@@ -25,8 +25,8 @@ const CLOSE: &str = "</tool_call>";
 pub enum Choice {
     Auto,
     Required,
-    /// One function, by name.
-    Named(String),
+    /// One function: its name and `parameters` schema.
+    Named { name: String, parameters: Value },
 }
 
 /// Checked `tools` of a request whose `tool_choice` is not `none`.
@@ -121,13 +121,16 @@ pub fn check(
                         "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}".into(),
                     )
                 })?;
-            if !functions.iter().any(|(n, _)| n == name) {
+            let Some((_, parameters)) = functions.iter().find(|(n, _)| n == name) else {
                 return Err(invalid(
                     "tool_choice",
                     format!("tool_choice names {name:?}, which is not one of the tools"),
                 ));
+            };
+            Choice::Named {
+                name: name.to_string(),
+                parameters: parameters.clone(),
             }
-            Choice::Named(name.to_string())
         }
     };
     if functions.is_empty() {
@@ -170,10 +173,7 @@ impl ToolRequest {
         };
         let schema = match &self.choice {
             Choice::Auto => return None,
-            Choice::Named(name) => {
-                let (_, p) = self.functions.iter().find(|(n, _)| n == name)?;
-                one(name, p)
-            }
+            Choice::Named { name, parameters } => one(name, parameters),
             Choice::Required => json!({
                 "anyOf": self.functions.iter().map(|(n, p)| one(n, p)).collect::<Vec<_>>()
             }),
@@ -346,17 +346,6 @@ pub fn template_message(role: &str, content: String, raw: &crate::api::Message) 
     m
 }
 
-/// A call id: `call_` and 24 random alphanumerics, as OpenAI's.
-pub fn call_id() -> String {
-    use rand::Rng;
-    const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    let mut rng = rand::rng();
-    let tail: String = (0..24)
-        .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
-        .collect();
-    format!("call_{tail}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -461,7 +450,11 @@ mod tests {
         let r = check(Some(&t), Some(&named), false, HERMES)
             .unwrap()
             .unwrap();
-        assert_eq!(r.choice, Choice::Named("get_weather".into()));
+        let Choice::Named { name, parameters } = &r.choice else {
+            panic!("{:?}", r.choice)
+        };
+        assert_eq!(name, "get_weather");
+        assert_eq!(parameters["required"], json!(["city", "unit"]));
         assert!(r.grammar().is_some());
         for (tools, choice, template, param) in [
             (json!({}), None, HERMES, "tools"),

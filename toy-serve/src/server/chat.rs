@@ -15,8 +15,8 @@ use toy_core::tokenizer::Tokenizer;
 
 use super::jobs::{collect, engine_error, gen_jobs, note_finish, submit, usage};
 use super::request::{
-    check_model, constraint, encode, fingerprint, fit_context, read_json, ready, token_string,
-    unix_now,
+    check_model, constraint, encode, fingerprint, fit_context, new_id, read_json, ready,
+    token_string, unix_now,
 };
 use super::sse::{Meta, SseSource, sse};
 use super::{AppState, logged};
@@ -187,7 +187,7 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                     if !calls.is_empty() {
                         message["tool_calls"] = calls
                             .iter()
-                            .map(|call| call.to_json(&tools::call_id(), None))
+                            .map(|call| call.to_json(&new_id("call"), None))
                             .collect();
                         if finish == "stop" {
                             finish = "tool_calls";
@@ -373,7 +373,7 @@ impl ChatStream {
                     let calls = self.calls.as_mut().expect("calls come from the splitter");
                     let index = calls[i].1;
                     calls[i].1 += 1;
-                    let mut head = call.to_json(&tools::call_id(), Some(index));
+                    let mut head = call.to_json(&new_id("call"), Some(index));
                     head["function"]["arguments"] = json!("");
                     let d = self.delta(i, json!({"tool_calls": [head]}), Value::Null, None);
                     self.out.push_back(d);

@@ -9,19 +9,14 @@ import base64
 import json
 import math
 import struct
-import sys
 import urllib.request
 
 import openai
-from openai import OpenAI
 
-base, key, prompt, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-client = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
+from harness import check, connect
 
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
+client, base, key, (prompt, max_tokens) = connect(timeout=120)
+max_tokens = int(max_tokens)
 
 
 # --- models
@@ -165,7 +160,7 @@ def expect(exc, fn, needle=""):
     raise AssertionError(f"expected {exc.__name__}")
 
 expect(openai.NotFoundError, lambda: client.chat.completions.create(model="no-such-model", messages=messages), "model_not_found")
-bad = OpenAI(base_url=base + "/v1", api_key="wrong-key", max_retries=0)
+bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong-key", max_retries=0)
 expect(openai.AuthenticationError, lambda: bad.models.list(), "incorrect API key")
 expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, max_tokens=10**6), "maximum context length")
 expect(openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=messages, response_format={"type": "xml"}), "response_format")

@@ -10,24 +10,18 @@ Prints one JSON object of facts; any failed check raises (exit status 1, with th
 """
 
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import List
 
 import jsonschema
 import openai
-from openai import OpenAI
 from pydantic import BaseModel, Field
 
-base, key = sys.argv[1], sys.argv[2]
-client = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=300)
+from harness import check, connect
+
+client, _, _, _ = connect()
 model = client.models.list().data[0].id
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 # --- parse() with a pydantic model (strict json_schema built by the client)

@@ -2,7 +2,7 @@
 
 Usage: tools_e2e.py BASE_URL API_KEY
 The server runs a model whose chat template has Hermes-style tool syntax (the tests use a tiny
-random-weight Qwen2 with fixtures/chat/qwen2.5-tools.jinja). A random model does not choose to call
+random-weight SmolLM3 with fixtures/chat/qwen2.5-tools.jinja). A random model does not choose to call
 a tool by itself, so the calls are forced (`tool_choice` `required` or a named function, which toy
 enforces with a grammar); what is checked is the API around them:
 - a forced call comes back as `message.tool_calls` (`finish_reason` `tool_calls`, no content), with
@@ -19,20 +19,14 @@ Prints one JSON object of facts; any failed check raises (exit status 1, with th
 """
 
 import json
-import sys
 
 import jsonschema
 import openai
-from openai import OpenAI
 
-base, key = sys.argv[1], sys.argv[2]
-client = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=300)
+from harness import check, connect
+
+client, _, _, _ = connect()
 model = client.models.list().data[0].id
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 WEATHER = {
@@ -72,7 +66,7 @@ facts = {"forced_calls": 0}
 
 def valid_call(call, want_name=None):
     check(call.type == "function", f"call type {call.type}")
-    check(call.id.startswith("call_"), f"call id {call.id!r}")
+    check(call.id.startswith("call-"), f"call id {call.id!r}")
     name = call.function.name
     check(name in SCHEMAS, f"unknown tool {name!r}")
     if want_name:
@@ -126,7 +120,7 @@ for chunk in stream:
     finish = chunk.choices[0].finish_reason or finish
 check(finish == "tool_calls", f"streamed finish_reason {finish}")
 check(content == "", f"streamed content beside the call: {content!r}")
-check(len(calls) == 1 and calls[0]["id"].startswith("call_"), f"streamed calls {calls}")
+check(len(calls) == 1 and calls[0]["id"].startswith("call-"), f"streamed calls {calls}")
 want = first.choices[0].message.tool_calls[0].function
 check((calls[0]["name"], calls[0]["arguments"]) == (want.name, want.arguments),
       f"streamed call {calls[0]} != {want}")
