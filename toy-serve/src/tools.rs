@@ -26,7 +26,10 @@ pub enum Choice {
     Auto,
     Required,
     /// One function: its name and `parameters` schema.
-    Named { name: String, parameters: Value },
+    Named {
+        name: String,
+        parameters: Value,
+    },
 }
 
 /// Checked `tools` of a request whose `tool_choice` is not `none`.
