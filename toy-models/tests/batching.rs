@@ -4,11 +4,20 @@
 //! logits — to the bit — and so the greedy ids it gets alone. Quantized fixtures of each
 //! family kind on the CPU — K-quants too, whose llama.cpp kernels differ by row count (the
 //! batched pass declares each sequence's rows: `ToyBackend::with_row_groups`).
+//!
+//! On wgpu (lavapipe here) a matmul's float order may depend on how many rows it has (the
+//! cubecl matvec for one row, tiled kernels for more), so there the rule is the oracle tests'
+//! margin rule: a sequence's batched greedy ids equal its own up to the first step where its own
+//! top-2 margin is below [`WGPU_MARGIN`], and the logits before that step agree within
+//! [`WGPU_TOLERANCE`].
 
 mod common;
 
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_cubecl::CubeBackend;
+use cubecl::wgpu::WgpuRuntime;
+use toy_kernels::ToyBackend;
 use toy_models::{CausalLm, KvCache};
 
 use common::load;
@@ -18,6 +27,13 @@ const STEPS: usize = 10;
 /// Prompt tokens a sequence puts in one pass (the rest waits for the next pass), standing in
 /// for `toy_models::PROMPT_CHUNK` so that the fixtures' short prompts are split.
 const CHUNK: usize = 5;
+
+type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
+/// Largest |batched - alone| logit allowed on wgpu before the sequences part.
+const WGPU_TOLERANCE: f32 = 1e-3;
+/// Top-2 margin under which a float-order difference may flip a greedy id on wgpu (well above
+/// [`WGPU_TOLERANCE`]).
+const WGPU_MARGIN: f32 = 1e-2;
 
 fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
@@ -45,13 +61,12 @@ fn prompt(i: usize, vocab: usize) -> Vec<u32> {
 
 /// Logits of each step of greedy decoding `prompt` alone, as `toy infer` runs it: the prompt
 /// in pieces of at most [`CHUNK`] (`toy_models::PROMPT_CHUNK` there), then one token per pass.
-fn alone(model: &impl CausalLm<Flex>, prompt: &[u32]) -> Vec<Vec<f32>> {
+fn alone<B: ToyBackend>(model: &impl CausalLm<B>, prompt: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = model.new_cache();
-    let run = |ids: &[u32], cache: &mut KvCache<Flex>| {
+    let run = |ids: &[u32], cache: &mut KvCache<B>| {
         let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
         let n = ids.len();
-        let tokens =
-            Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids, [1, n]), &model.device());
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &model.device());
         let logits = model.forward_last(tokens, cache);
         logits.into_data().into_vec::<f32>().unwrap()
     };
@@ -67,19 +82,19 @@ fn alone(model: &impl CausalLm<Flex>, prompt: &[u32]) -> Vec<Vec<f32>> {
     rows
 }
 
-struct Sequence {
+struct Sequence<B: ToyBackend> {
     prompt: Vec<u32>,
     /// Prompt tokens in the cache.
     read: usize,
-    cache: KvCache<Flex>,
+    cache: KvCache<B>,
     next: Option<u32>,
     rows: Vec<Vec<f32>>,
 }
 
 /// The same sequences run together: sequence `i` joins at pass `i / 2`, reads its prompt in
 /// chunks of at most [`CHUNK`], then decodes; every pass carries everyone's new tokens.
-fn together(model: &impl CausalLm<Flex>, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
-    let mut seqs: Vec<Sequence> = prompts
+fn together<B: ToyBackend>(model: &impl CausalLm<B>, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
+    let mut seqs: Vec<Sequence<B>> = prompts
         .iter()
         .map(|p| Sequence {
             prompt: p.clone(),
@@ -110,7 +125,7 @@ fn together(model: &impl CausalLm<Flex>, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<f3
             members.push(i);
         }
         let slices: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
-        let caches: Vec<&mut KvCache<Flex>> = seqs
+        let caches: Vec<&mut KvCache<B>> = seqs
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| members.contains(i))
@@ -132,13 +147,30 @@ fn together(model: &impl CausalLm<Flex>, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<f3
     seqs.into_iter().map(|s| s.rows).collect()
 }
 
+fn prompts(file: &toy_core::gguf::GgufFile) -> Vec<Vec<u32>> {
+    let vocab = toy_core::config::ModelConfig::from_gguf(file)
+        .unwrap()
+        .vocab_size;
+    (0..PROMPTS).map(|i| prompt(i, vocab)).collect()
+}
+
+/// Top-1 minus top-2 logit.
+fn margin(row: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in row {
+        if x > a {
+            (a, b) = (x, a);
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
 fn check(name: &str) {
     let device = Default::default();
     let (file, _, model) = load::<Flex>(name, &device);
-    let vocab = toy_core::config::ModelConfig::from_gguf(&file)
-        .unwrap()
-        .vocab_size;
-    let prompts: Vec<Vec<u32>> = (0..PROMPTS).map(|i| prompt(i, vocab)).collect();
+    let prompts = prompts(&file);
     let batched = together(&model, &prompts);
     for (i, p) in prompts.iter().enumerate() {
         let single = alone(&model, p);
@@ -180,5 +212,64 @@ fn batched_sequences_of_row_count_dependent_types_equal_their_own_runs() {
 fn batched_gpt2_and_moe_sequences_equal_their_own_runs() {
     for name in ["gpt2-q8_0", "olmoe-q8_0"] {
         check(name);
+    }
+}
+
+/// wgpu: each sequence's batched greedy ids follow its own up to the first step whose margin
+/// is below [`WGPU_MARGIN`], with logits within [`WGPU_TOLERANCE`] until then.
+fn check_wgpu(name: &str) {
+    let device = Default::default();
+    let (file, _, model) = load::<Wgpu>(name, &device);
+    let prompts = prompts(&file);
+    let batched = together(&model, &prompts);
+    let mut worst = 0.0f32;
+    let mut failures = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let single = alone(&model, p);
+        for (step, (b, s)) in batched[i].iter().zip(&single).enumerate() {
+            let deviation = b
+                .iter()
+                .zip(s)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            worst = worst.max(deviation);
+            if deviation > WGPU_TOLERANCE {
+                failures.push(format!(
+                    "prompt {i}, step {step}: logits differ by {deviation}"
+                ));
+            }
+            if argmax(b) != argmax(s) {
+                if margin(s) >= WGPU_MARGIN {
+                    failures.push(format!(
+                        "prompt {i}, step {step}: greedy id {} batched, {} alone (margin {})",
+                        argmax(b),
+                        argmax(s),
+                        margin(s)
+                    ));
+                }
+                break;
+            }
+        }
+    }
+    eprintln!("{name} on wgpu: largest |batched - alone| logit {worst:e}");
+    assert!(
+        failures.is_empty(),
+        "{name} on wgpu:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// Fails today, and not because of batching: on lavapipe a single sequence's last-position logits
+/// differ from the CPU backend's by up to 3.7e-2 when its current token is one of some ids
+/// (tiny-qwen2, ids 8 and 111 among them), while the CPU and wgpu each agree with themselves
+/// under any chunking. The suspect is the packed token-embedding lookup on cubecl (a row read
+/// at the wrong offset); see issue 18's note. Run with `--ignored` once it is fixed.
+#[test]
+#[ignore = "wgpu: some current-token ids give logits off by up to 3.7e-2 vs the CPU (issue 18 note)"]
+fn batched_sequences_on_wgpu_follow_their_own_runs() {
+    // A float model, Q8_0 and the K-quants: the cubecl matvec (one row) against the tiled
+    // kernels (a batch).
+    for name in ["qwen2", "gemma3-q8_0", "kq-q4_k_m"] {
+        check_wgpu(name);
     }
 }

@@ -3,7 +3,9 @@
 //!
 //! What changes: `::=` becomes `:`; `root` becomes `start` and every other rule name becomes a
 //! Lark rule name; string escapes become JSON ones; a character class `[…]` and `.` become
-//! regexes. Grouping, `|`, `* + ?` and `{m,n}` mean the same in both.
+//! regexes. Grouping, `|`, `* + ?` and `{m,n}` mean the same in both. Token references are
+//! llguidance's own syntax already: `<[128000]>` (a token by id), `<|im_end|>` (a control token
+//! by its text); `!<[128000]>` (any token but that one) becomes `<[^128000]>`.
 
 use std::collections::HashMap;
 
@@ -216,12 +218,7 @@ impl Converter {
                         }
                     }
                 }
-                '<' | '!' => {
-                    return Err(format!(
-                        "token references (<…>) are not supported, at {}",
-                        self.where_()
-                    ));
-                }
+                '<' | '!' => out.push_str(&self.token_ref()?),
                 c if c.is_ascii_alphanumeric() || c == '-' || c == '_' => {
                     let name = self.name().unwrap_or_default();
                     let lark = self.lark_name(&name);
@@ -230,6 +227,46 @@ impl Converter {
                 c => return Err(format!("unexpected {c:?} at {}", self.where_())),
             }
         }
+    }
+
+    /// A token reference, `<…>` or `!<…>`, as llguidance writes it.
+    fn token_ref(&mut self) -> Result<String, String> {
+        let at = self.where_();
+        let negated = self.peek() == Some('!');
+        if negated {
+            self.pos += 1;
+        }
+        if self.peek() != Some('<') {
+            return Err(format!("expected a token reference <…> after ! at {at}"));
+        }
+        let end = self.src[self.pos..]
+            .iter()
+            .position(|&c| c == '>')
+            .ok_or_else(|| format!("unterminated token reference at {at}"))?;
+        let inner: String = self.src[self.pos + 1..self.pos + end].iter().collect();
+        self.pos += end + 1;
+        if inner.is_empty() || inner.chars().any(|c| c.is_whitespace() || c == '<') {
+            return Err(format!("bad token reference <{inner}> at {at}"));
+        }
+        let id = inner
+            .strip_prefix('[')
+            .and_then(|i| i.strip_suffix(']'))
+            .map(|i| {
+                i.parse::<u32>()
+                    .map_err(|_| format!("bad token id <{inner}> at {at}"))
+            })
+            .transpose()?;
+        Ok(match (id, negated) {
+            (Some(id), false) => format!("<[{id}]>"),
+            (Some(id), true) => format!("<[^{id}]>"),
+            (None, false) => format!("<{inner}>"),
+            (None, true) => {
+                return Err(format!(
+                    "!<{inner}> (any token but one named by its text) is not supported, at {at}: \
+                     write it by id, !<[ID]> (POST /tokenize gives the id)"
+                ));
+            }
+        })
     }
 
     /// One character of a string or class, escapes decoded (`\n \r \t \\ \" \[ \] \- \xHH
@@ -311,6 +348,11 @@ mod tests {
              ws-end: /[\\x{20}\\x{9}\\x{a}]/ ? /(?s:.)/\n\
              gbnf2: \"Aé\\\"\" answer +\n"
         );
+        // Token references, as llama.cpp writes them.
+        assert_eq!(
+            to_lark("root ::= <think> (!<[7]>)* <[7]> <|im_end|>").unwrap(),
+            "start: <think> ( <[^7]> ) * <[7]> <|im_end|>\n"
+        );
         // Lark passes through.
         assert_eq!(to_lark("start: \"a\"").unwrap(), "start: \"a\"");
     }
@@ -329,10 +371,17 @@ mod tests {
                 .contains("unknown escape")
         );
         assert!(
-            to_lark("root ::= <think>")
+            to_lark("root ::= <[12x]>")
                 .unwrap_err()
-                .contains("token references")
+                .contains("token id")
         );
+        assert!(
+            to_lark("root ::= <think")
+                .unwrap_err()
+                .contains("unterminated")
+        );
+        assert!(to_lark("root ::= !\"a\"").unwrap_err().contains("after !"));
+        assert!(to_lark("root ::= !<think>").unwrap_err().contains("by id"));
         assert!(to_lark("::= \"a\"").unwrap_err().contains("rule name"));
     }
 }

@@ -294,6 +294,38 @@ pub(crate) mod tests {
         }
     }
 
+    /// GBNF token references: by id, negated by id, and a control token by its text.
+    #[test]
+    fn gbnf_token_references_constrain_the_ids() {
+        let tok = tokenizer();
+        let control = (0..tok.vocab_size() as u32)
+            .find(|&id| tok.is_control(id) && !tok.token_text(id).is_empty())
+            .unwrap();
+        let name = tok.token_text(control).to_string();
+        let grammar = format!("root ::= <[100]> !<[100]> !<[100]> <[100]> {name}");
+        let g = requested(None, None, Some(&grammar)).unwrap().unwrap();
+        let c = Grammars::default().compile(&tok, g).unwrap();
+        for seed in 0..4 {
+            let mut c = c.clone();
+            let mut rng = toy_core::rng::SplitMix64::new(seed);
+            let mut ids = Vec::new();
+            while !c.done() && ids.len() < 10 {
+                let mut logits: Vec<f32> = (0..tok.vocab_size())
+                    .map(|_| (rng.next_u64() >> 40) as f32)
+                    .collect();
+                // Make the excluded token the model's favourite: the mask must still drop it.
+                logits[100] = 1e9;
+                c.mask(&mut logits).unwrap();
+                let id = toy_core::sampling::argmax(&logits);
+                c.accept(id).unwrap();
+                ids.push(id);
+            }
+            assert_eq!(ids.len(), 5, "{grammar}: {ids:?}");
+            assert_eq!((ids[0], ids[3], ids[4]), (100, 100, control), "{ids:?}");
+            assert!(ids[1] != 100 && ids[2] != 100, "{ids:?}");
+        }
+    }
+
     #[test]
     fn lark_and_gbnf_grammars_constrain_the_text() {
         let tok = tokenizer();

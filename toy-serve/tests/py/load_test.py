@@ -9,6 +9,11 @@ Usage:
       (no slot still held) and its RSS flat between two identical waves.
   load_test.py BASE_URL --bench [--key KEY] [--clients 32] [--requests 4] [--max-tokens 16]
       Only well-formed chat requests (half streamed), for comparing servers (toy, llama-server).
+  load_test.py BASE_URL --key KEY --pid PID --soak SECONDS [--clients 16]
+      The mixed load, each client sending requests back to back until SECONDS have passed, the
+      server's RSS sampled every 10 s (`rss_timeline`: seconds, MiB). Memory must be flat: the
+      last quarter's peak may not exceed the second quarter's by more than 5% (or 32 MiB) —
+      the first quarter fills the allocator's pools and the prefix cache up to its budget.
 
 Prints one JSON object with requests/s, completion tokens/s (non-streamed: `usage`; streamed:
 content events, one per token on both servers) and latency / time-to-first-token percentiles
@@ -47,6 +52,7 @@ p.add_argument("--max-tokens", type=int, default=8)
 p.add_argument("--model", default=None)
 p.add_argument("--bench", action="store_true")
 p.add_argument("--waves", type=int, default=2)
+p.add_argument("--soak", type=float, default=0, help="seconds of back-to-back load (a soak test)")
 args = p.parse_args()
 u = urllib.parse.urlparse(args.url)
 HOST, PORT = u.hostname, u.port
@@ -211,13 +217,18 @@ def one(kind, prompt):
     return None
 
 
-def wave():
-    latencies, errors, good, tokens, ttfts = [], [], [0], [0], []
+def wave(deadline=None):
+    """Every client sends `args.requests` requests — or, with a `deadline`, requests until then."""
+    latencies, errors, good, tokens, ttfts, sent = [], [], [0], [0], [], [0]
     lock = threading.Lock()
 
     def client(i):
-        for r in range(args.requests):
-            kind = MIX[(i * args.requests + r) % len(MIX)]
+        r = 0
+        while (r < args.requests) if deadline is None else (time.perf_counter() < deadline):
+            r += 1
+            with lock:
+                sent[0] += 1
+            kind = MIX[(i * args.requests + r - 1) % len(MIX)]
             prompt = PROMPTS[(i + r) % len(PROMPTS)]
             t0 = time.perf_counter()
             try:
@@ -232,7 +243,7 @@ def wave():
                     good[0] += 1
             except Exception as e:  # noqa: BLE001 — every failure is reported
                 with lock:
-                    errors.append(f"client {i} request {r} ({kind}): {e!r}")
+                    errors.append(f"client {i} request {r - 1} ({kind}): {e!r}")
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
     t0 = time.perf_counter()
@@ -241,7 +252,7 @@ def wave():
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return latencies, errors, good[0], wall, tokens[0], ttfts
+    return latencies, errors, good[0], wall, tokens[0], ttfts, sent[0]
 
 
 def pct(xs, q):
@@ -249,18 +260,32 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-results, failures, rss = [], [], []
+results, failures, rss, timeline = [], [], [], []
 if args.pid:
     rss.append(rss_kib(args.pid))
-for w in range(args.waves):
-    lat, errs, answered, wall, tokens, ttfts = wave()
+if args.soak:
+    # The soak's RSS samples, every 10 s from a thread of their own.
+    start = time.perf_counter()
+    done = threading.Event()
+
+    def sample():
+        while True:
+            timeline.append((round(time.perf_counter() - start), round(rss_kib(args.pid) / 1024, 1)))
+            if done.wait(10):
+                return
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+for w in range(1 if args.soak else args.waves):
+    lat, errs, answered, wall, tokens, ttfts, sent = wave(
+        time.perf_counter() + args.soak if args.soak else None)
     failures += errs
     if args.pid:
         rss.append(rss_kib(args.pid))
     results.append({
-        "wave": w, "requests": args.clients * args.requests, "answered_correctly": answered,
+        "wave": w, "requests": sent, "answered_correctly": answered,
         "generation_requests": len(lat), "wall_s": round(wall, 3),
-        "requests_per_s": round(args.clients * args.requests / wall, 2),
+        "requests_per_s": round(sent / wall, 2),
         "generation_requests_per_s": round(len(lat) / wall, 2),
         "p50_s": round(statistics.median(lat), 3) if lat else None,
         "p99_s": round(pct(lat, 99), 3) if lat else None,
@@ -270,7 +295,7 @@ for w in range(args.waves):
         "ttft_p99_s": round(pct(ttfts, 99), 3) if ttfts else None,
     })
 
-out = {"clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+out = {"clients": args.clients, "requests_per_client": None if args.soak else args.requests, "soak_s": args.soak or None, "max_tokens": args.max_tokens,
        "waves": results, "failures": failures[:20], "failure_count": len(failures)}
 
 if not args.bench:
@@ -290,6 +315,15 @@ if not args.bench:
         failures.append("no sequence was cancelled although clients hung up mid-stream")
 if args.pid:
     out["rss_mib"] = [round(r / 1024, 1) for r in rss]
+if args.soak:
+    done.set()
+    sampler.join()
+    out["rss_timeline"] = timeline
+    q = max(1, len(timeline) // 4)
+    second, last = max(m for _, m in timeline[q:2 * q]), max(m for _, m in timeline[-q:])
+    out["rss_peak_second_quarter_mib"], out["rss_peak_last_quarter_mib"] = second, last
+    if last - second > max(0.05 * second, 32):
+        failures.append(f"RSS grew from {second} to {last} MiB between the soak's second and last quarter")
 if args.pid and len(rss) > 2:
     # Flat: the last wave must not grow memory beyond noise (the first one warms caches up).
     growth = rss[-1] - rss[-2]
