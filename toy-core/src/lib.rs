@@ -5,6 +5,7 @@
 //! ([`config`]), RoPE angles ([`rope`]) and sampling ([`sampling`]).
 
 pub mod chat;
+pub mod clock;
 pub mod config;
 pub mod gguf;
 pub mod rng;

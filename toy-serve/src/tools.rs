@@ -191,6 +191,15 @@ impl ToolRequest {
     }
 }
 
+/// The `finish_reason` of a choice that made `called` tool calls: a natural stop after a call is
+/// OpenAI's `tool_calls`; a length cut stays `length`.
+pub fn finish_reason(reason: &str, called: bool) -> &str {
+    match reason {
+        "stop" if called => "tool_calls",
+        r => r,
+    }
+}
+
 /// One parsed call, in OpenAI's shape (`arguments` is a JSON string).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolCall {

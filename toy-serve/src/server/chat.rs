@@ -189,10 +189,8 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                             .iter()
                             .map(|call| call.to_json(&new_id("call"), None))
                             .collect();
-                        if finish == "stop" {
-                            finish = "tool_calls";
-                        }
                     }
+                    finish = tools::finish_reason(finish, !calls.is_empty());
                 }
                 json!({
                     "index": i,
@@ -308,10 +306,7 @@ impl ChatStream {
                 GenEvent::Done(f) => {
                     self.text(i, f.tail.clone(), Value::Null, true);
                     let called = self.calls.as_ref().is_some_and(|c| c[i].1 > 0);
-                    let reason = match f.reason.as_str() {
-                        "stop" if called => "tool_calls",
-                        r => r,
-                    };
+                    let reason = tools::finish_reason(f.reason.as_str(), called);
                     let d = self.delta(i, json!({}), Value::Null, Some(reason));
                     self.out.push_back(d);
                     self.completion_tokens += f.completion_tokens;
@@ -350,16 +345,17 @@ impl ChatStream {
     /// deltas (a call's id and name, then its arguments) once each call is whole. `last`: the
     /// choice is done, so held-back text goes out.
     fn text(&mut self, i: usize, text: String, lp: Value, last: bool) {
-        let pieces = match &mut self.calls {
-            None => vec![Piece::Text(text)],
-            Some(calls) => {
-                let mut p = calls[i].0.push(&text);
-                if last {
-                    p.extend(calls[i].0.finish());
-                }
-                p
+        let Some(calls) = &mut self.calls else {
+            if !text.is_empty() || !lp.is_null() {
+                let d = self.delta(i, json!({"content": text}), lp, None);
+                self.out.push_back(d);
             }
+            return;
         };
+        let mut pieces = calls[i].0.push(&text);
+        if last {
+            pieces.extend(calls[i].0.finish());
+        }
         let mut lp = Some(lp).filter(|l| !l.is_null());
         for piece in pieces {
             match piece {
