@@ -719,8 +719,8 @@ fn dot(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
     }
 }
 
-/// [`dot`] with AVX2: the same bits. The 16-bit dots of the AVX-512 build (16 lanes) have no
-/// AVX2 form here and take the specification.
+/// [`dot`] with AVX2: the same bits (the 16-bit dots of either llama.cpp build, the AVX-512
+/// build's 16 lanes as two 8-lane halves).
 #[cfg(target_arch = "x86_64")]
 fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
     use super::blocks_avx2 as v;
@@ -745,9 +745,10 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
                 w32::dot_iq4_nl_repacked(w, y)
             }
             (GgmlType::IQ4NL, ActRow::Q8(y)) => w32::dot_iq4_nl(w, y, form == Form::TinyBlas),
-            (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) if isa == GgmlIsa::Avx2 => {
-                v::dot_half_vec(w, y, ty == GgmlType::BF16)
-            }
+            (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) => match isa {
+                GgmlIsa::Avx2 => v::dot_half_vec::<1>(w, y, ty == GgmlType::BF16),
+                GgmlIsa::Avx512 => v::dot_half_vec::<2>(w, y, ty == GgmlType::BF16),
+            },
             _ => dot(ty, w, x, form, isa),
         }
     }

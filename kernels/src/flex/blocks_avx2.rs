@@ -556,21 +556,20 @@ fn load_half8(p: &[u8], bf16: bool) -> __m256 {
     }
 }
 
-/// `ggml_vec_dot_f16` / `ggml_vec_dot_bf16` (AVX2 build) of a 16-bit weight row `w` (bytes) by
-/// activations already rounded to 16 bits, `y` (bytes of the same type).
+/// `ggml_vec_dot_f16` / `ggml_vec_dot_bf16` of a 16-bit weight row `w` (bytes) by activations
+/// already rounded to 16 bits, `y` (bytes of the same type), in the order of the build whose
+/// vectors are `H` ymm registers wide: H = 1 the AVX2 build (8 lanes), H = 2 the AVX-512F build
+/// (16 lanes, each kept as two 8-lane halves, so any AVX2 CPU computes it):
+/// - f16: four accumulators over steps of `32·H`, `(s0 + s2) + (s1 + s3)` lanewise, then the
+///   build's horizontal sum (`GGML_F32x8_REDUCE`'s `hadd`s, or `_mm512_reduce_add_ps`);
+/// - bf16, AVX2: four 8-lane accumulators over steps of 32, reduced like f16's;
+///   AVX-512F: two 16-lane accumulators over steps of 32, each reduced into the f64 sum.
+///
+/// The tail is added in f64. bf16's `add(mul)` and f16's FMA agree: the products are exact in
+/// f32.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_half_vec(w: &[u8], y: &[u8], bf16: bool) -> f32 {
+pub(super) fn dot_half_vec<const H: usize>(w: &[u8], y: &[u8], bf16: bool) -> f32 {
     let n = w.len() / 2;
-    let np = n / 32 * 32;
-    let mut sum = [_mm256_setzero_ps(); 4];
-    for i in (0..np).step_by(32) {
-        for (j, s) in sum.iter_mut().enumerate() {
-            let o = 2 * (i + 8 * j);
-            let (a, b) = (load_half8(&w[o..], bf16), load_half8(&y[o..], bf16));
-            // bf16's `add(mul)` and f16's FMA agree: the products are exact in f32.
-            *s = _mm256_fmadd_ps(a, b, *s);
-        }
-    }
     let half = |b: &[u8], e: usize| {
         let bits = u16::from_le_bytes([b[2 * e], b[2 * e + 1]]);
         if bf16 {
@@ -579,12 +578,50 @@ pub(super) fn dot_half_vec(w: &[u8], y: &[u8], bf16: bool) -> f32 {
             half::f16::from_bits(bits).to_f32()
         }
     };
-    let mut sumf = if bf16 {
-        let c = _mm256_add_ps(_mm256_add_ps(sum[0], sum[2]), _mm256_add_ps(sum[1], sum[3]));
-        hsum_float_8(c) as f64
+    let load = |b: &[u8], e: usize| load_half8(&b[2 * e..], bf16);
+    if bf16 && H == 2 {
+        let np = n / 32 * 32;
+        let mut c = [[_mm256_setzero_ps(); 2]; 2];
+        for i in (0..np).step_by(32) {
+            for (j, c) in c.iter_mut().enumerate() {
+                for (h, c) in c.iter_mut().enumerate() {
+                    let e = i + 16 * j + 8 * h;
+                    *c = _mm256_fmadd_ps(load(w, e), load(y, e), *c);
+                }
+            }
+        }
+        let mut sumf = hsum_float_8(_mm256_add_ps(c[0][1], c[0][0])) as f64;
+        sumf += hsum_float_8(_mm256_add_ps(c[1][1], c[1][0])) as f64;
+        for e in np..n {
+            sumf += (half(w, e) * half(y, e)) as f64;
+        }
+        return sumf as f32;
+    }
+    let step = 32 * H;
+    let np = n / step * step;
+    let mut sum = [[_mm256_setzero_ps(); H]; 4];
+    for i in (0..np).step_by(step) {
+        for (j, s) in sum.iter_mut().enumerate() {
+            for (h, s) in s.iter_mut().enumerate() {
+                let e = i + 8 * H * j + 8 * h;
+                *s = _mm256_fmadd_ps(load(w, e), load(y, e), *s);
+            }
+        }
+    }
+    let mut r = [_mm256_setzero_ps(); H];
+    for (h, r) in r.iter_mut().enumerate() {
+        *r = _mm256_add_ps(
+            _mm256_add_ps(sum[0][h], sum[2][h]),
+            _mm256_add_ps(sum[1][h], sum[3][h]),
+        );
+    }
+    let mut sumf = if H == 2 {
+        // `_mm512_reduce_add_ps`: the halves, then `hsum_float_8`'s quarters and pairs.
+        hsum_float_8(_mm256_add_ps(r[1], r[0])) as f64
+    } else if bf16 {
+        hsum_float_8(r[0]) as f64
     } else {
-        let x0 = _mm256_add_ps(_mm256_add_ps(sum[0], sum[2]), _mm256_add_ps(sum[1], sum[3]));
-        let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps(x0, 1));
+        let t0 = _mm_add_ps(_mm256_castps256_ps128(r[0]), _mm256_extractf128_ps(r[0], 1));
         let t1 = _mm_hadd_ps(t0, t0);
         _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64
     };
