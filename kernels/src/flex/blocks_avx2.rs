@@ -201,35 +201,46 @@ pub(super) fn f16c_at(b: &[u8], i: usize) -> f32 {
 }
 
 /// Q4_K's (or with `qh` Q5_K's) scaled integer lanes per 64 values; `scales` from
-/// `scales_mins_k4`.
+/// `scales_mins_k4`. A plain loop, not `array::from_fn`: a closure here was compiled as a
+/// function of its own, called four times per super-block with its vectors spilled to the stack
+/// (29% of a 1B-shaped Q4_K_M decode went to those calls).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q45k_lanes64(qs: &[u8], qh: Option<&[u8]>, scales: __m256i, y: &Q8K) -> [__m256i; 4] {
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    let hbits = qh.map(|h| load256(h));
-    assert!(qs.len() >= 128);
-    std::array::from_fn(|j| {
-        let bits = load256(&qs[32 * j..]);
+    let hbits = match qh {
+        Some(h) => load256(h),
+        None => _mm256_setzero_si256(),
+    };
+    assert!(qs.len() >= 128 && y.qs.len() >= 256);
+    let mut out = [_mm256_setzero_si256(); 4];
+    for (j, out) in out.iter_mut().enumerate() {
+        // SAFETY: 32 bytes at 32·j < 128 ≤ qs.len(); activations at 64·j + 32 + 32 ≤ 256.
+        let (bits, y_lo, y_hi) = unsafe {
+            (
+                _mm256_loadu_si256(qs.as_ptr().add(32 * j) as *const __m256i),
+                _mm256_loadu_si256(y.qs.as_ptr().add(64 * j) as *const __m256i),
+                _mm256_loadu_si256(y.qs.as_ptr().add(64 * j + 32) as *const __m256i),
+            )
+        };
         let mut lo = _mm256_and_si256(bits, m4);
         let mut hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-        if let Some(h) = hbits {
-            let h_lo = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(2 * j as i32)), one);
+        if qh.is_some() {
+            let h_lo =
+                _mm256_and_si256(_mm256_srlv_epi32(hbits, _mm256_set1_epi32(2 * j as i32)), one);
             let h_hi = _mm256_and_si256(
-                _mm256_srlv_epi32(h, _mm256_set1_epi32(2 * j as i32 + 1)),
+                _mm256_srlv_epi32(hbits, _mm256_set1_epi32(2 * j as i32 + 1)),
                 one,
             );
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(h_lo, 4));
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(h_hi, 4));
         }
-        let p_lo = scaled_lanes(lo, load_q8(&y.qs[64 * j..]), k4_scale(scales, 2 * j));
-        let p_hi = scaled_lanes(
-            hi,
-            load_q8(&y.qs[64 * j + 32..]),
-            k4_scale(scales, 2 * j + 1),
-        );
-        _mm256_add_epi32(p_lo, p_hi)
-    })
+        let p_lo = scaled_lanes(lo, y_lo, k4_scale(scales, 2 * j));
+        let p_hi = scaled_lanes(hi, y_hi, k4_scale(scales, 2 * j + 1));
+        *out = _mm256_add_epi32(p_lo, p_hi);
+    }
+    out
 }
 
 #[inline]
@@ -263,21 +274,24 @@ fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
         let b1 = load256(&ql[64 * j..]);
         let b2 = load256(&ql[64 * j + 32..]);
         let h = load256(&qh[32 * j..]);
-        let high = |shift: i32| {
-            _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(shift)), m3),
-                4,
-            )
-        };
+        // Bits 4..6 of each value: two bits of `h` from `shift` (no closure: see `q45k_lanes64`).
+        let high0 = _mm256_slli_epi16(_mm256_and_si256(h, m3), 4);
+        let high2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4);
+        let high4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4);
+        let high6 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4);
         let q = [
-            _mm256_or_si256(_mm256_and_si256(b1, m15), high(0)),
-            _mm256_or_si256(_mm256_and_si256(b2, m15), high(2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), high(4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high(6)),
+            _mm256_or_si256(_mm256_and_si256(b1, m15), high0),
+            _mm256_or_si256(_mm256_and_si256(b2, m15), high2),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), high4),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high6),
         ];
+        assert!(y.qs.len() >= 256);
         for (t, q) in q.into_iter().enumerate() {
             let s = i8_scale_pair(sc, 4 * j + t);
-            sumi = _mm256_add_epi32(sumi, scaled_lanes(q, load_q8(&y.qs[128 * j + 32 * t..]), s));
+            // SAFETY: 32 activations at 128·j + 32·t + 32 ≤ 256.
+            let y8 =
+                unsafe { _mm256_loadu_si256(y.qs.as_ptr().add(128 * j + 32 * t) as *const __m256i) };
+            sumi = _mm256_add_epi32(sumi, scaled_lanes(q, y8, s));
         }
     }
     let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
