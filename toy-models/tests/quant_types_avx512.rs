@@ -1,0 +1,65 @@
+//! The tiny K-quant / legacy / 16-bit models of `quant_types.rs` against llama.cpp's **AVX-512**
+//! x86 build (`fixtures/models/tiny-kq-*.avx512.expected.json`, made by
+//! `make_kquant_avx512.py` on the same files). That build sums its f32 parts in 16 lanes,
+//! repacks Q2_K matrices as well as Q4_K (`q2_K_8x8_q8_K`), and has AVX-512 bodies for the
+//! repacked gemms; the CPU backend reproduces it on any CPU (`GgmlIsa::Avx512`), so greedy ids
+//! must agree at every step and logits to the oracle's print precision.
+//!
+//! A test binary of its own: the llama.cpp build reproduced is a process-wide setting, and
+//! `quant_types.rs` checks the AVX2 build.
+
+mod common;
+
+use burn::backend::Flex;
+use common::{expected, ids, load, logit_deviation};
+
+/// The oracle prints 9 significant digits; the arithmetic is the same bit for bit.
+const TOL: f64 = 2e-6;
+
+fn check(name: &str) {
+    let device = Default::default();
+    // Sets the CPU backend to the fixture's llama.cpp build.
+    let expected = expected(&format!("{name}.avx512"));
+    assert_eq!(expected["ggml_isa"], "avx512");
+    let (_, _, model) = load::<Flex>(name, &device);
+    for case in expected["greedy"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = ids(&case["gen_ids"]);
+        let got = common::greedy(&model, &prompt, want.len());
+        assert_eq!(got, want, "{name}: greedy ids after {:?}", case["prompt"]);
+    }
+    let worst = logit_deviation(&model, &expected, &device);
+    eprintln!("{name} (AVX-512 build): greedy ids identical, largest logit deviation {worst:.1e}");
+    assert!(
+        worst <= TOL,
+        "{name}: logits differ from llama.cpp's AVX-512 build by {worst:e}"
+    );
+}
+
+/// Known gap: llama.cpp's AVX-512 build repacks Q2_K matrices (`ggml_gemv/gemm_q2_K_8x8_q8_K`),
+/// whose float order toy does not reproduce yet; toy computes Q2_K as the AVX2 build does
+/// (`vec_dot` / tiled). Measured on a Zen 4 EPYC: greedy ids identical, logits within 2.1e-2.
+#[test]
+#[ignore = "Q2_K's repacked kernels of the AVX-512 build are not reproduced yet (docs/correctness.md)"]
+fn k_quants_match_llama_cpp_avx512() {
+    check("kq-k");
+}
+
+#[test]
+fn q4_q5_iq4_match_llama_cpp_avx512() {
+    check("kq-legacy");
+}
+
+/// Known gap: on CPUs with AVX512_BF16 (this fixture's Zen 4) llama.cpp's native build takes
+/// `vdpbf16ps` for bf16 dot products and tinyBLAS; toy reproduces the AVX512F build's bf16
+/// arithmetic. Measured: greedy ids identical, logits within 4.1e-5.
+#[test]
+#[ignore = "the AVX512_BF16 build's vdpbf16ps order is not reproduced yet (docs/correctness.md)"]
+fn f16_and_bf16_match_llama_cpp_avx512() {
+    check("kq-16bit");
+}
+
+#[test]
+fn q4_k_m_preset_matches_llama_cpp_avx512() {
+    check("kq-q4_k_m");
+}
