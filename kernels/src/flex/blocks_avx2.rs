@@ -428,6 +428,68 @@ pub(super) fn dot_q4_k_repacked(w: &[u8], x: &[Q8K], per_64: bool) -> f32 {
     acc - acc_min
 }
 
+/// The sums of four registers' 8 i32 lanes, as one 128-bit register (exact: any order).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum4_i32_8(p: [__m256i; 4]) -> __m128i {
+    let t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1))
+}
+
+/// `dot_q4_k_repacked(w, x[a], true)` (llama.cpp's 4-row repacked gemm) for four activation rows
+/// at once: each super-block's nibbles and scales are unpacked once for the four rows, as the
+/// gemm's register tile shares them. Per row the same integers and the same float steps in the
+/// same order, so the same bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q4_k_gemm_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let nb = w.len() / 144;
+    for xa in &x {
+        assert!(xa.len() >= nb);
+    }
+    let (mut acc, mut acc_min) = ([0.0f32; 4], [0.0f32; 4]);
+    for (i, b) in w.chunks_exact(144).enumerate() {
+        let (dw, dmw) = (f16c_at(b, 0), f16c_at(b, 2));
+        let (scales, mins) = scales_mins_k4(&b[4..16]);
+        let mut lo = [_mm256_setzero_si256(); 4];
+        let mut hi = [_mm256_setzero_si256(); 4];
+        for j in 0..4 {
+            let bits = load256(&b[16 + 32 * j..]);
+            lo[j] = _mm256_and_si256(bits, m4);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        }
+        for a in 0..4 {
+            let y = &x[a][i];
+            let mut parts = [_mm256_setzero_si256(); 4];
+            for j in 0..4 {
+                // SAFETY: activations at 64·j + 32 + 32 ≤ 256.
+                let (y_lo, y_hi) = unsafe {
+                    (
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * j) as *const __m256i),
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * j + 32) as *const __m256i),
+                    )
+                };
+                parts[j] = _mm256_add_epi32(
+                    scaled_lanes(lo[j], y_lo, k4_scale(scales, 2 * j)),
+                    scaled_lanes(hi[j], y_hi, k4_scale(scales, 2 * j + 1)),
+                );
+            }
+            let (mut isums, mut imins) = ([0i32; 4], [0i32; 4]);
+            // SAFETY: 4 i32 = 16 bytes each.
+            unsafe {
+                _mm_storeu_si128(isums.as_mut_ptr() as *mut __m128i, hsum4_i32_8(parts));
+                _mm_storeu_si128(imins.as_mut_ptr() as *mut __m128i, mins_prod(mins, y));
+            }
+            let (scale, scale_min) = (dw * y.d, dmw * y.d);
+            for (isum, imin) in isums.into_iter().zip(imins) {
+                acc[a] = (isum as f32).mul_add(scale, acc[a]);
+                acc_min[a] = (imin as f32).mul_add(scale_min, acc_min[a]);
+            }
+        }
+    }
+    std::array::from_fn(|a| acc[a] - acc_min[a])
+}
+
 /// Q4_K's one-row repacked kernel (`dot_q4_k_repacked(w, x, false)`) for eight weight rows at
 /// once, as llama.cpp's `gemv_q4_K_8x8` computes eight outputs together: the float steps are
 /// done 8 outputs wide, and each output gets the bits of the one-row

@@ -119,6 +119,7 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
         (GgmlType::Q5_0, Form::VecDot),
         (GgmlType::Q5_1, Form::VecDot),
         (GgmlType::IQ4NL, Form::TinyBlas),
+        (GgmlType::Q4K, Form::Gemm),
     ] {
         for sb in [1usize, 2, 9] {
             let k = sb * QK_K;
@@ -142,7 +143,7 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
             }
         }
     }
-    assert_eq!(checked, 36);
+    assert_eq!(checked, 48);
 }
 
 /// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9
