@@ -24,13 +24,21 @@ pub(super) fn quantize_row_impl(x: &[f32]) -> QuantRow {
     let mut scales = Vec::with_capacity(x.len() / BLOCK);
     let mut sums = Vec::with_capacity(x.len() / BLOCK);
     for block in x.chunks_exact(BLOCK) {
-        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        // Loops, not closures: a closure keeps the features of this function's definition, not
+        // of `quantize_row`'s AVX2 copy, and its rounding would be a libm call per value.
+        let mut amax = 0.0f32;
+        for &v in block {
+            amax = amax.max(v.abs());
+        }
         let d = amax / 127.0;
         scales.push(f16::from_f32(d).to_f32());
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let start = quants.len();
-        quants.extend(block.iter().map(|v| (v * id).round_ties_even() as i8));
-        let sum: i32 = quants[start..].iter().map(|&q| q as i32).sum();
+        let mut sum = 0i32;
+        for &v in block {
+            let q = (v * id).round_ties_even() as i8;
+            quants.push(q);
+            sum += q as i32;
+        }
         sums.push(f16::from_f32(d * sum as f32).to_f32());
     }
     QuantRow {
