@@ -816,8 +816,15 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx2 {
         use super::blocks32_avx2 as w32;
-        if let ([ActRow::Q8K(a), ActRow::Q8K(b), ActRow::Q8K(c), ActRow::Q8K(d)], GgmlType::Q4K) =
-            (x, ty)
+        if let (
+            [
+                ActRow::Q8K(a),
+                ActRow::Q8K(b),
+                ActRow::Q8K(c),
+                ActRow::Q8K(d),
+            ],
+            GgmlType::Q4K,
+        ) = (x, ty)
         {
             // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
             return (form == Form::Gemm)

@@ -227,8 +227,10 @@ fn q45k_lanes64(qs: &[u8], qh: Option<&[u8]>, scales: __m256i, y: &Q8K) -> [__m2
         let mut lo = _mm256_and_si256(bits, m4);
         let mut hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
         if qh.is_some() {
-            let h_lo =
-                _mm256_and_si256(_mm256_srlv_epi32(hbits, _mm256_set1_epi32(2 * j as i32)), one);
+            let h_lo = _mm256_and_si256(
+                _mm256_srlv_epi32(hbits, _mm256_set1_epi32(2 * j as i32)),
+                one,
+            );
             let h_hi = _mm256_and_si256(
                 _mm256_srlv_epi32(hbits, _mm256_set1_epi32(2 * j as i32 + 1)),
                 one,
@@ -289,8 +291,9 @@ fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
         for (t, q) in q.into_iter().enumerate() {
             let s = i8_scale_pair(sc, 4 * j + t);
             // SAFETY: 32 activations at 128·j + 32·t + 32 ≤ 256.
-            let y8 =
-                unsafe { _mm256_loadu_si256(y.qs.as_ptr().add(128 * j + 32 * t) as *const __m256i) };
+            let y8 = unsafe {
+                _mm256_loadu_si256(y.qs.as_ptr().add(128 * j + 32 * t) as *const __m256i)
+            };
             sumi = _mm256_add_epi32(sumi, scaled_lanes(q, y8, s));
         }
     }
