@@ -5,8 +5,8 @@
 //! repacked gemms; the CPU backend reproduces it on any CPU (`GgmlIsa::Avx512`), so greedy ids
 //! must agree at every step and logits to the oracle's print precision.
 //!
-//! `kq-f16` is `kq-16bit` with every 16-bit matrix as F16 (F16 alone passes; see the ignored
-//! tests for what does not yet).
+//! `kq-f16` is `kq-16bit` with every 16-bit matrix as F16 (F16 alone passes; bf16 on a CPU with
+//! AVX512_BF16 is the one gap left, see the ignored test).
 //!
 //! A test binary of its own: the llama.cpp build reproduced is a process-wide setting, and
 //! `quant_types.rs` checks the AVX2 build.
@@ -39,11 +39,9 @@ fn check(name: &str) {
     );
 }
 
-/// Known gap: llama.cpp's AVX-512 build repacks Q2_K matrices (`ggml_gemv/gemm_q2_K_8x8_q8_K`),
-/// whose float order toy does not reproduce yet; toy computes Q2_K as the AVX2 build does
-/// (`vec_dot` / tiled). Measured on a Zen 4 EPYC: greedy ids identical, logits within 2.1e-2.
+/// Every K-quant twice, a Q4_K embedding read by the tied head; on this build Q2_K and Q4_K
+/// matrices are repacked (`q2_K_8x8`, `q4_K_8x8`).
 #[test]
-#[ignore = "Q2_K's repacked kernels of the AVX-512 build are not reproduced yet (docs/correctness.md)"]
 fn k_quants_match_llama_cpp_avx512() {
     check("kq-k");
 }

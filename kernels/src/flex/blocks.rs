@@ -232,6 +232,38 @@ fn dot_q4_k(w: &[u8], x: &[Q8K]) -> f32 {
     hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
 }
 
+/// Q2_K through llama.cpp's repacked `q2_K_8x8` kernels, which its AVX-512 build takes for
+/// matrices of a multiple of 8 rows: per super-block (`gemv`, `per_128 = false`) or per 128
+/// values (the AVX-512 `gemm`), one fused multiply-add of the exact scaled sum `Σ scale·q·q8` by
+/// `d_w · d_x` and one of the offsets' sum `Σ min·bsum` by `dmin_w · d_x`; the output is their
+/// difference.
+fn dot_q2_k_repacked(w: &[u8], x: &[Q8K], per_128: bool) -> f32 {
+    let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
+    for (b, y) in w.chunks_exact(84).zip(x) {
+        let (sc, qs) = (&b[0..16], &b[16..80]);
+        let (scale, scale_min) = (f16_at(b, 80) * y.d, f16_at(b, 82) * y.d);
+        let half = |h: usize| -> (i32, i32) {
+            let isum = (128 * h..128 * h + 128)
+                .map(|e| (sc[e / 16] & 0x0F) as i32 * crumb(qs, e) * y.qs[e] as i32)
+                .sum();
+            let imin = (8 * h..8 * h + 8)
+                .map(|k| (sc[k] >> 4) as i32 * y.bsums[k] as i32)
+                .sum();
+            (isum, imin)
+        };
+        let parts = [half(0), half(1)];
+        let sums: Vec<(i32, i32)> = match per_128 {
+            true => parts.to_vec(),
+            false => vec![(parts[0].0 + parts[1].0, parts[0].1 + parts[1].1)],
+        };
+        for (isum, imin) in sums {
+            acc = (isum as f32).mul_add(scale, acc);
+            acc_min = (imin as f32).mul_add(scale_min, acc_min);
+        }
+    }
+    acc - acc_min
+}
+
 /// Q4_K through llama.cpp's repacked `q4_K_8x8` kernels: per super-block (`gemv`, `per_64 =
 /// false`) or per 64 values (`gemm`), one fused multiply-add of the exact scaled sum by
 /// `d_w · d_x` and one of the offsets' sum by `dmin_w · d_x`; the output is their difference.
@@ -622,18 +654,20 @@ pub(super) enum Form {
     Tiled,
 }
 
-/// Whether llama.cpp (x86, AVX2 or better) repacks a matmul weight of this type and row count.
+/// Whether llama.cpp (x86, AVX2 or better) repacks a matmul weight of this type and row count:
+/// Q4_0, Q4_K and IQ4_NL in either build, Q2_K in the AVX-512 build (`ggml_cpu_has_avx512()`).
 pub(super) fn repacked(ty: GgmlType, rows: usize, repackable: bool) -> bool {
     repackable
         && rows.is_multiple_of(8)
-        && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4K | GgmlType::IQ4NL)
+        && (matches!(ty, GgmlType::Q4_0 | GgmlType::Q4K | GgmlType::IQ4NL)
+            || (ty == GgmlType::Q2K && ggml_isa() == GgmlIsa::Avx512))
 }
 
 /// The path llama.cpp takes for activation row `i` of `m`.
 pub(super) fn form(ty: GgmlType, repacked: bool, i: usize, m: usize) -> Form {
     match ty {
-        GgmlType::Q4K if repacked && i < m - m % 4 => Form::Gemm,
-        GgmlType::Q4K | GgmlType::Q4_0 | GgmlType::IQ4NL if repacked => Form::Gemv,
+        GgmlType::Q4K | GgmlType::Q2K if repacked && i < m - m % 4 => Form::Gemm,
+        GgmlType::Q4K | GgmlType::Q2K | GgmlType::Q4_0 | GgmlType::IQ4NL if repacked => Form::Gemv,
         GgmlType::IQ4NL if m >= 2 => Form::TinyBlas,
         GgmlType::Q2K
         | GgmlType::Q3K
@@ -694,7 +728,11 @@ fn half_row(ty: GgmlType, w: &[u8]) -> Vec<f32> {
 fn dot(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
     match (ty, x) {
         (_, ActRow::Q8K(y)) if form == Form::Tiled => dot_tiled(ty, w, y),
-        (GgmlType::Q2K, ActRow::Q8K(y)) => dot_q2_k(w, y),
+        (GgmlType::Q2K, ActRow::Q8K(y)) => match form {
+            Form::Gemv => dot_q2_k_repacked(w, y, false),
+            Form::Gemm => dot_q2_k_repacked(w, y, true),
+            _ => dot_q2_k(w, y),
+        },
         (GgmlType::Q3K, ActRow::Q8K(y)) => dot_q3_k(w, y),
         (GgmlType::Q4K, ActRow::Q8K(y)) => match form {
             Form::Gemv => dot_q4_k_repacked(w, y, false),
@@ -735,7 +773,11 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
     unsafe {
         match (ty, x) {
             (_, ActRow::Q8K(y)) if form == Form::Tiled => v::dot_tiled(ty, w, y),
-            (GgmlType::Q2K, ActRow::Q8K(y)) => v::dot_q2_k(w, y),
+            (GgmlType::Q2K, ActRow::Q8K(y)) => match form {
+                Form::Gemv => v::dot_q2_k_repacked(w, y, false),
+                Form::Gemm => v::dot_q2_k_repacked(w, y, true),
+                _ => v::dot_q2_k(w, y),
+            },
             (GgmlType::Q3K, ActRow::Q8K(y)) => v::dot_q3_k(w, y),
             (GgmlType::Q4K, ActRow::Q8K(y)) => match form {
                 Form::Gemv => v::dot_q4_k_repacked(w, y, false),

@@ -76,26 +76,31 @@ fn scaled_lanes(u: __m256i, s: __m256i, scales: __m256i) -> __m256i {
     _mm256_madd_epi16(scales, _mm256_maddubs_epi16(u, s))
 }
 
+/// Q2_K's scaled integer lanes (without the offsets) of values `128·j..128·j + 128`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q2k_lanes_128(b: &[u8], y: &Q8K, j: usize) -> __m256i {
+    let (sc, qs) = (&b[0..16], &b[16..80]);
+    let m3 = _mm256_set1_epi8(3);
+    let mut sumi = _mm256_setzero_si256();
+    let bits = load256(&qs[32 * j..]);
+    for t in 0..4 {
+        let q = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_set1_epi32(2 * t as i32)), m3);
+        let s = scale_pair(
+            (sc[8 * j + 2 * t] & 0x0F) as i32,
+            (sc[8 * j + 2 * t + 1] & 0x0F) as i32,
+        );
+        let y8 = load_q8(&y.qs[128 * j + 32 * t..]);
+        sumi = _mm256_add_epi32(sumi, scaled_lanes(q, y8, s));
+    }
+    sumi
+}
+
 /// Q2_K's scaled integer lanes (without the offsets).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q2k_lanes(b: &[u8], y: &Q8K) -> __m256i {
-    let (sc, qs) = (&b[0..16], &b[16..80]);
-    let m3 = _mm256_set1_epi8(3);
-    let mut sumi = _mm256_setzero_si256();
-    for j in 0..2 {
-        let bits = load256(&qs[32 * j..]);
-        for t in 0..4 {
-            let q = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_set1_epi32(2 * t as i32)), m3);
-            let s = scale_pair(
-                (sc[8 * j + 2 * t] & 0x0F) as i32,
-                (sc[8 * j + 2 * t + 1] & 0x0F) as i32,
-            );
-            let y8 = load_q8(&y.qs[128 * j + 32 * t..]);
-            sumi = _mm256_add_epi32(sumi, scaled_lanes(q, y8, s));
-        }
-    }
-    sumi
+    _mm256_add_epi32(q2k_lanes_128(b, y, 0), q2k_lanes_128(b, y, 1))
 }
 
 /// Q3_K's scaled integer lanes (values `low - 4` where the high bit is clear): two `maddubs`,
@@ -402,6 +407,34 @@ pub(super) fn dot_q45_k(w: &[u8], x: &[Q8K], q5: bool) -> f32 {
     acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
     acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
     hsum_float_8(acc) + _mm_cvtss_f32(acc_m)
+}
+
+/// Q2_K through llama.cpp's repacked kernels (see `blocks::dot_q2_k_repacked`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q2_k_repacked(w: &[u8], x: &[Q8K], per_128: bool) -> f32 {
+    let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
+    for (b, y) in w.chunks_exact(84).zip(x) {
+        let (scale, scale_min) = (f16c_at(b, 80) * y.d, f16c_at(b, 82) * y.d);
+        let mut parts = [(0i32, 0i32); 2];
+        for (h, part) in parts.iter_mut().enumerate() {
+            let mut imin = 0i32;
+            for k in 8 * h..8 * h + 8 {
+                imin += (b[k] >> 4) as i32 * y.bsums[k] as i32;
+            }
+            *part = (hsum_i32_8(q2k_lanes_128(b, y, h)), imin);
+        }
+        if per_128 {
+            for (isum, imin) in parts {
+                acc = (isum as f32).mul_add(scale, acc);
+                acc_min = (imin as f32).mul_add(scale_min, acc_min);
+            }
+        } else {
+            let (isum, imin) = (parts[0].0 + parts[1].0, parts[0].1 + parts[1].1);
+            acc = (isum as f32).mul_add(scale, acc);
+            acc_min = (imin as f32).mul_add(scale_min, acc_min);
+        }
+    }
+    acc - acc_min
 }
 
 /// Q4_K through llama.cpp's repacked kernels (see `blocks::dot_q4_k_repacked`).

@@ -189,8 +189,8 @@ fn avx2_dots_are_bit_identical_to_the_spec() {
             let x = random_activations(k, &mut next);
             for form in forms {
                 let valid = match form {
-                    Form::Gemv => matches!(ty, GgmlType::Q4K | GgmlType::IQ4NL),
-                    Form::Gemm => ty == GgmlType::Q4K,
+                    Form::Gemv => matches!(ty, GgmlType::Q4K | GgmlType::Q2K | GgmlType::IQ4NL),
+                    Form::Gemm => matches!(ty, GgmlType::Q4K | GgmlType::Q2K),
                     Form::TinyBlas => ty == GgmlType::IQ4NL,
                     Form::Tiled => ty.block_size() == QK_K,
                     Form::VecDot => true,
