@@ -30,6 +30,10 @@ use crate::{AdamWStep, AttentionOptions, PackedTensor, RopeLayout, ToyBackend, r
 pub enum GgmlIsa {
     Avx2,
     Avx512,
+    /// The AVX-512 build compiled with AVX512_BF16 (what `GGML_NATIVE` gives on Zen 4 or
+    /// Sapphire Rapids): as `Avx512`, but bf16 dot products (`vec_dot_bf16`, bf16 tinyBLAS) take
+    /// `vdpbf16ps`, which adds each lane's odd product, then its even one, to the accumulator.
+    Avx512Bf16,
 }
 
 impl GgmlIsa {
@@ -37,14 +41,20 @@ impl GgmlIsa {
     pub fn lanes(self) -> usize {
         match self {
             GgmlIsa::Avx2 => 8,
-            GgmlIsa::Avx512 => 16,
+            GgmlIsa::Avx512 | GgmlIsa::Avx512Bf16 => 16,
         }
+    }
+
+    /// An AVX-512 build (with or without AVX512_BF16).
+    pub fn avx512(self) -> bool {
+        self != GgmlIsa::Avx2
     }
 
     fn code(self) -> u8 {
         match self {
             GgmlIsa::Avx2 => 1,
             GgmlIsa::Avx512 => 2,
+            GgmlIsa::Avx512Bf16 => 3,
         }
     }
 }
@@ -103,17 +113,20 @@ fn detect_cpu_level() -> CpuLevel {
 /// 0 until chosen: then `GgmlIsa::code`.
 static GGML_ISA: AtomicU8 = AtomicU8::new(0);
 
-/// The llama.cpp build reproduced: `set_ggml_isa`'s choice, else `TOY_GGML_ISA` (`avx2` or
-/// `avx512`), else the one llama.cpp runs on this CPU — AVX-512 where the CPU has AVX-512 F and DQ
-/// (unless `TOY_CPU` forces a lower level), AVX2 otherwise.
+/// The llama.cpp build reproduced: `set_ggml_isa`'s choice, else `TOY_GGML_ISA` (`avx2`,
+/// `avx512` or `avx512bf16`), else the one a native llama.cpp build runs on this CPU — AVX-512
+/// where the CPU has AVX-512 F and DQ (with AVX512_BF16 where it has that too; unless `TOY_CPU`
+/// forces a lower level), AVX2 otherwise.
 pub fn ggml_isa() -> GgmlIsa {
     match GGML_ISA.load(Ordering::Relaxed) {
         1 => GgmlIsa::Avx2,
         2 => GgmlIsa::Avx512,
+        3 => GgmlIsa::Avx512Bf16,
         _ => {
             let isa = match std::env::var("TOY_GGML_ISA").as_deref() {
                 Ok("avx2") => GgmlIsa::Avx2,
                 Ok("avx512") => GgmlIsa::Avx512,
+                Ok("avx512bf16" | "avx512_bf16") => GgmlIsa::Avx512Bf16,
                 _ => host_ggml_isa(),
             };
             GGML_ISA.store(isa.code(), Ordering::Relaxed);
@@ -130,6 +143,9 @@ fn host_ggml_isa() -> GgmlIsa {
         && std::is_x86_feature_detected!("avx512f")
         && std::is_x86_feature_detected!("avx512dq")
     {
+        if std::is_x86_feature_detected!("avx512bf16") {
+            return GgmlIsa::Avx512Bf16;
+        }
         return GgmlIsa::Avx512;
     }
     let _ = forced_down;
@@ -262,7 +278,7 @@ impl ToyBackend for Flex {
         dense_product(x, w, |xd, m, wd, n, k| {
             let isa = ggml_isa();
             let several = |xd: &[f32], m: usize| {
-                if tinyblas::applies(m, n, k, isa) {
+                if tinyblas::applies(m, n, k, isa, tinyblas::Elem::F32) {
                     let (xb, wb) = (bytemuck::cast_slice(xd), bytemuck::cast_slice(wd));
                     tinyblas::matmul(xb, m, wb, n, k, tinyblas::Elem::F32, isa)
                 } else if m == 1 {

@@ -589,7 +589,7 @@ fn dot_f16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
     }
     let mut sumf = match isa {
         GgmlIsa::Avx2 => reduce_f32x8(sum.map(|s| s[..8].try_into().expect("8 lanes"))),
-        GgmlIsa::Avx512 => {
+        GgmlIsa::Avx512 | GgmlIsa::Avx512Bf16 => {
             let r: [f32; 16] =
                 std::array::from_fn(|l| (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]));
             reduce_add16(&r)
@@ -602,8 +602,9 @@ fn dot_f16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
 }
 
 /// `ggml_vec_dot_bf16` (AVX2: four 8-lane accumulators over steps of 32; AVX-512F: two 16-lane
-/// ones, each reduced into the f64 sum), the tail in f64. bf16 products are exact in f32, so a
-/// multiply-then-add and a fused multiply-add agree.
+/// ones, each reduced into the f64 sum; AVX512_BF16: two `vdpbf16ps` accumulators of 16 lanes
+/// over steps of 64, lane `l` adding the product of elements `2l + 1`, then `2l`), the tail in
+/// f64. bf16 products are exact in f32, so a multiply-then-add and a fused multiply-add agree.
 fn dot_bf16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
     let n = w.len();
     let mut i = 0;
@@ -622,6 +623,20 @@ fn dot_bf16_vec(w: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
             }
             let r: [f32; 8] = std::array::from_fn(|l| (c[0][l] + c[2][l]) + (c[1][l] + c[3][l]));
             sumf += hsum8(r) as f64;
+        }
+        GgmlIsa::Avx512Bf16 => {
+            let mut c = [[0.0f32; 16]; 2];
+            while i + 64 <= n {
+                for j in 0..2 {
+                    for l in 0..16 {
+                        let e = i + 32 * j + 2 * l;
+                        c[j][l] = (c[j][l] + w[e + 1] * y[e + 1]) + w[e] * y[e];
+                    }
+                }
+                i += 64;
+            }
+            sumf += reduce_add16(&c[0]) as f64;
+            sumf += reduce_add16(&c[1]) as f64;
         }
         GgmlIsa::Avx512 => {
             let mut c = [[0.0f32; 16]; 2];
@@ -660,7 +675,7 @@ pub(super) fn repacked(ty: GgmlType, rows: usize, repackable: bool) -> bool {
     repackable
         && rows.is_multiple_of(8)
         && (matches!(ty, GgmlType::Q4_0 | GgmlType::Q4K | GgmlType::IQ4NL)
-            || (ty == GgmlType::Q2K && ggml_isa() == GgmlIsa::Avx512))
+            || (ty == GgmlType::Q2K && ggml_isa().avx512()))
 }
 
 /// The path llama.cpp takes for activation row `i` of `m`.
@@ -795,7 +810,10 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
             (GgmlType::IQ4NL, ActRow::Q8(y)) => w32::dot_iq4_nl(w, y, form == Form::TinyBlas),
             (GgmlType::F16 | GgmlType::BF16, ActRow::Half(y)) => match isa {
                 GgmlIsa::Avx2 => v::dot_half_vec::<1>(w, y, ty == GgmlType::BF16),
-                GgmlIsa::Avx512 => v::dot_half_vec::<2>(w, y, ty == GgmlType::BF16),
+                GgmlIsa::Avx512Bf16 if ty == GgmlType::BF16 => v::dot_bf16_pairs(w, y),
+                GgmlIsa::Avx512 | GgmlIsa::Avx512Bf16 => {
+                    v::dot_half_vec::<2>(w, y, ty == GgmlType::BF16)
+                }
             },
             _ => dot(ty, w, x, form, isa),
         }
@@ -913,7 +931,11 @@ pub(super) fn matmul(x: &[f32], m: usize, w: &HostPackedView<'_>, repackable: bo
     if matches!(ty, GgmlType::F16 | GgmlType::BF16) {
         // (Where tinyBLAS declines its shape, ggml takes the per-output `vec_dot`: VecDot.)
         let vec_dot = |x: &[f32], m: usize| matmul_forms(x, m, w, &vec![Form::VecDot; m]);
-        let several = |x: &[f32], m: usize| match super::tinyblas::applies(m, n, k, isa) {
+        let elem = match ty {
+            GgmlType::F16 => super::tinyblas::Elem::F16,
+            _ => super::tinyblas::Elem::BF16,
+        };
+        let several = |x: &[f32], m: usize| match super::tinyblas::applies(m, n, k, isa, elem) {
             true => half_tinyblas(x, m, w, isa),
             false => vec_dot(x, m),
         };

@@ -668,6 +668,62 @@ fn load_half8(p: &[u8], bf16: bool) -> __m256 {
     }
 }
 
+/// The odd bf16 of each 32-bit word (its high half) as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn bf16_odd(v: __m256i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_and_si256(
+        v,
+        _mm256_set1_epi32(0xFFFF_0000u32 as i32),
+    ))
+}
+
+/// The even bf16 of each 32-bit word (its low half) as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn bf16_even(v: __m256i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+}
+
+/// `ggml_vec_dot_bf16` of the AVX512_BF16 build (see `blocks::dot_bf16_vec`): two `vdpbf16ps`
+/// accumulators of 16 lanes over steps of 64, each lane adding the product of its odd element,
+/// then of its even one; each accumulator reduced into the f64 sum, the tail in f64. Any AVX2 CPU
+/// computes it: a lane's pair is one 32-bit word, its odd element the high half (a bf16 is the
+/// high half of its f32), its even one the low half shifted up.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_bf16_pairs(w: &[u8], y: &[u8]) -> f32 {
+    let n = w.len() / 2;
+    assert!(y.len() >= 2 * n);
+    let np = n / 64 * 64;
+    let mut c = [[_mm256_setzero_ps(); 2]; 2];
+    for i in (0..np).step_by(64) {
+        for (j, c) in c.iter_mut().enumerate() {
+            for (h, c) in c.iter_mut().enumerate() {
+                let o = 2 * (i + 32 * j + 16 * h);
+                // SAFETY: 32 bytes at o + 32 ≤ 2·np ≤ both lengths.
+                let (a, b) = unsafe {
+                    (
+                        _mm256_loadu_si256(w.as_ptr().add(o) as *const __m256i),
+                        _mm256_loadu_si256(y.as_ptr().add(o) as *const __m256i),
+                    )
+                };
+                // The products are exact in f32, so each FMA is the instruction's rounded add.
+                *c = _mm256_fmadd_ps(bf16_odd(a), bf16_odd(b), *c);
+                *c = _mm256_fmadd_ps(bf16_even(a), bf16_even(b), *c);
+            }
+        }
+    }
+    let mut sumf = hsum_float_8(_mm256_add_ps(c[0][1], c[0][0])) as f64;
+    sumf += hsum_float_8(_mm256_add_ps(c[1][1], c[1][0])) as f64;
+    let bf = |b: &[u8], e: usize| {
+        f32::from_bits((u16::from_le_bytes([b[2 * e], b[2 * e + 1]]) as u32) << 16)
+    };
+    for e in np..n {
+        sumf += (bf(w, e) * bf(y, e)) as f64;
+    }
+    sumf as f32
+}
+
 /// `ggml_vec_dot_f16` / `ggml_vec_dot_bf16` of a 16-bit weight row `w` (bytes) by activations
 /// already rounded to 16 bits, `y` (bytes of the same type), in the order of the build whose
 /// vectors are `H` ymm registers wide: H = 1 the AVX2 build (8 lanes), H = 2 the AVX-512F build

@@ -46,17 +46,38 @@ impl Elem {
 }
 
 /// Whether llama.cpp's `llamafile_sgemm` takes a product of `n` weight rows of `k` values by `m`
-/// activation rows (`n < 2` and `m % 4 != 0` in its names; `k % KN` for the lane count).
-pub(super) fn applies(m: usize, n: usize, k: usize, isa: GgmlIsa) -> bool {
-    m >= 2 && n.is_multiple_of(4) && k > 0 && k.is_multiple_of(isa.lanes())
+/// activation rows (`n < 2` and `m % 4 != 0` in its names; `k % KN` for the elements per step:
+/// the lane count, or 32 bf16 per `vdpbf16ps` in the AVX512_BF16 build).
+pub(super) fn applies(m: usize, n: usize, k: usize, isa: GgmlIsa, elem: Elem) -> bool {
+    m >= 2 && n.is_multiple_of(4) && k > 0 && k.is_multiple_of(step(isa, elem))
+}
+
+/// Elements of a row per accumulator step (tinyBLAS's `KN`).
+fn step(isa: GgmlIsa, elem: Elem) -> usize {
+    match (isa, elem) {
+        (GgmlIsa::Avx512Bf16, Elem::BF16) => 32,
+        _ => isa.lanes(),
+    }
 }
 
 /// One output, the specification: weight row `w` by activation row `x` (bytes of `elem`), one
 /// `lanes`-wide FMA accumulator over the row, then the build's horizontal sum.
+///
+/// The AVX512_BF16 build's bf16 tinyBLAS multiplies with `vdpbf16ps`: 32 elements per step, lane
+/// `l` adding the product of elements `2l + 1`, then `2l`, each add rounded.
 pub(super) fn dot(w: &[u8], x: &[u8], elem: Elem, isa: GgmlIsa) -> f32 {
     let lanes = isa.lanes();
     let k = w.len() / elem.bytes();
     let mut acc = [0.0f32; 16];
+    let p = |e: usize| elem.value(w, e) * elem.value(x, e);
+    if (isa, elem) == (GgmlIsa::Avx512Bf16, Elem::BF16) {
+        for l0 in (0..k).step_by(32) {
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a = (*a + p(l0 + 2 * l + 1)) + p(l0 + 2 * l);
+            }
+        }
+        return reduce_add16(&acc);
+    }
     for l0 in (0..k).step_by(lanes) {
         for (l, a) in acc[..lanes].iter_mut().enumerate() {
             *a = elem.value(w, l0 + l).mul_add(elem.value(x, l0 + l), *a);
@@ -64,7 +85,7 @@ pub(super) fn dot(w: &[u8], x: &[u8], elem: Elem, isa: GgmlIsa) -> f32 {
     }
     match isa {
         GgmlIsa::Avx2 => hsum8(acc[..8].try_into().expect("8 lanes")),
-        GgmlIsa::Avx512 => reduce_add16(&acc),
+        GgmlIsa::Avx512 | GgmlIsa::Avx512Bf16 => reduce_add16(&acc),
     }
 }
 
@@ -110,7 +131,7 @@ pub(super) fn matmul(
     elem: Elem,
     isa: GgmlIsa,
 ) -> Vec<f32> {
-    debug_assert!(applies(m, n, k, isa));
+    debug_assert!(applies(m, n, k, isa, elem));
     let (xrow, wrow) = (k * elem.bytes(), k * elem.bytes());
     assert!(
         x.len() >= m * xrow && w.len() >= n * wrow,
@@ -202,13 +223,13 @@ fn vec_dot_f32(w: &[f32], x: &[f32], isa: GgmlIsa) -> f32 {
         return unsafe {
             match isa {
                 GgmlIsa::Avx2 => avx2::vec_dot_f32::<1>(w, x),
-                GgmlIsa::Avx512 => avx2::vec_dot_f32::<2>(w, x),
+                GgmlIsa::Avx512 | GgmlIsa::Avx512Bf16 => avx2::vec_dot_f32::<2>(w, x),
             }
         };
     }
     match isa {
         GgmlIsa::Avx2 => super::vec_dot_f32_avx2(w, x),
-        GgmlIsa::Avx512 => super::vec_dot_f32(x.len(), |i| w[i], |i| x[i]),
+        GgmlIsa::Avx512 | GgmlIsa::Avx512Bf16 => super::vec_dot_f32(x.len(), |i| w[i], |i| x[i]),
     }
 }
 
@@ -217,11 +238,14 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::super::blocks_avx2::hsum_float_8 as hsum;
+    use super::super::blocks_avx2::{bf16_even as even, bf16_odd as odd};
     use super::{Elem, GgmlIsa};
 
     const F32: u8 = 0;
     const F16: u8 = 1;
     const BF16: u8 = 2;
+    /// bf16 summed in pairs per lane, as `vdpbf16ps` (the AVX512_BF16 build).
+    const BF16_PAIRS: u8 = 3;
 
     /// Eight elements of type `E` at `p`, widened to f32.
     #[inline]
@@ -277,6 +301,27 @@ mod avx2 {
         let mut l = 0;
         // SAFETY: the caller's rows hold `k` elements each; `out` addresses the tile.
         unsafe {
+            if E == BF16_PAIRS {
+                // 16 lanes (two halves) of 2 elements each per step of 32: the odd elements'
+                // products, then the even ones', added to each lane.
+                while l < k {
+                    for h in 0..H {
+                        let off = (l + 16 * h) * es;
+                        let mut b = [_mm256_setzero_si256(); RN];
+                        for j in 0..RN {
+                            b[j] = _mm256_loadu_si256(x.add(j * ld + off) as *const __m256i);
+                        }
+                        for i in 0..RM {
+                            let a = _mm256_loadu_si256(w.add(i * ld + off) as *const __m256i);
+                            for j in 0..RN {
+                                let c = _mm256_fmadd_ps(odd(a), odd(b[j]), acc[i][j][h]);
+                                acc[i][j][h] = _mm256_fmadd_ps(even(a), even(b[j]), c);
+                            }
+                        }
+                    }
+                    l += 32;
+                }
+            }
             while l < k {
                 for h in 0..H {
                     let off = (l + 8 * h) * es;
@@ -377,9 +422,12 @@ mod avx2 {
                 (Elem::F32, GgmlIsa::Avx2) => task_of::<F32, 1, 4>(w, rows, x, m, k, out, n),
                 (Elem::F16, GgmlIsa::Avx2) => task_of::<F16, 1, 4>(w, rows, x, m, k, out, n),
                 (Elem::BF16, GgmlIsa::Avx2) => task_of::<BF16, 1, 4>(w, rows, x, m, k, out, n),
-                (Elem::F32, GgmlIsa::Avx512) => task_of::<F32, 2, 2>(w, rows, x, m, k, out, n),
-                (Elem::F16, GgmlIsa::Avx512) => task_of::<F16, 2, 2>(w, rows, x, m, k, out, n),
+                (Elem::F32, _) => task_of::<F32, 2, 2>(w, rows, x, m, k, out, n),
+                (Elem::F16, _) => task_of::<F16, 2, 2>(w, rows, x, m, k, out, n),
                 (Elem::BF16, GgmlIsa::Avx512) => task_of::<BF16, 2, 2>(w, rows, x, m, k, out, n),
+                (Elem::BF16, GgmlIsa::Avx512Bf16) => {
+                    task_of::<BF16_PAIRS, 2, 2>(w, rows, x, m, k, out, n)
+                }
             }
         }
     }
@@ -493,7 +541,9 @@ mod tests {
                         let (wr, xr) = (&w[j * k..(j + 1) * k], &x[i * k..(i + 1) * k]);
                         let want = match isa {
                             GgmlIsa::Avx2 => super::super::vec_dot_f32_avx2(wr, xr),
-                            GgmlIsa::Avx512 => super::super::vec_dot_f32(k, |c| wr[c], |c| xr[c]),
+                            GgmlIsa::Avx512 | GgmlIsa::Avx512Bf16 => {
+                                super::super::vec_dot_f32(k, |c| wr[c], |c| xr[c])
+                            }
                         };
                         assert_eq!(
                             got[i * n + j].to_bits(),
@@ -506,12 +556,12 @@ mod tests {
         }
     }
 
-    /// Every tile shape and block edge, both builds' orders, all three element types: the
+    /// Every tile shape and block edge, every build's order, all three element types: the
     /// kernel's bits are the per-output specification's.
     #[test]
     fn tiled_products_are_bit_identical_to_the_spec() {
         let mut next = uniform(7);
-        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512, GgmlIsa::Avx512Bf16] {
             for elem in [Elem::F32, Elem::F16, Elem::BF16] {
                 for (m, n, k) in [
                     (2, 4, 16),
@@ -520,6 +570,9 @@ mod tests {
                     (17, 20, 64),
                     (40, 36, 4096),
                 ] {
+                    if !applies(m, n, k, isa, elem) {
+                        continue; // the AVX512_BF16 build's bf16 steps are 32 elements
+                    }
                     let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
                     let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
                     let (xb, wb) = (bytes(&x, elem), bytes(&w, elem));

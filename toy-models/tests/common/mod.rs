@@ -92,8 +92,8 @@ pub fn fixture(name: &str) -> PathBuf {
 }
 
 /// The llama.cpp outputs on `tiny-{name}.gguf`. The CPU backend is set to reproduce the
-/// llama.cpp build that made them (`ggml_isa`: `avx2`, or AVX-512 for the fixtures older than
-/// that field).
+/// llama.cpp build that made them (`ggml_isa`: `avx2`, `avx512_bf16`, or AVX-512 for `avx512`
+/// and the fixtures older than that field).
 pub fn expected(name: &str) -> Value {
     let v: Value = serde_json::from_str(
         &std::fs::read_to_string(fixture(&format!("tiny-{name}.expected.json"))).unwrap(),
@@ -102,6 +102,7 @@ pub fn expected(name: &str) -> Value {
     use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
     set_ggml_isa(match v["ggml_isa"].as_str() {
         Some("avx2") => GgmlIsa::Avx2,
+        Some("avx512_bf16") => GgmlIsa::Avx512Bf16,
         _ => GgmlIsa::Avx512,
     });
     v

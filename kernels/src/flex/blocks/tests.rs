@@ -201,7 +201,7 @@ fn avx2_dots_are_bit_identical_to_the_spec() {
                 let act = activation(ty, &x, form);
                 // The 16-bit dots differ between llama.cpp's AVX2 and AVX-512 builds.
                 let isas: &[GgmlIsa] = match half {
-                    true => &[GgmlIsa::Avx2, GgmlIsa::Avx512],
+                    true => &[GgmlIsa::Avx2, GgmlIsa::Avx512, GgmlIsa::Avx512Bf16],
                     false => &[GgmlIsa::Avx2],
                 };
                 for &isa in isas {
