@@ -16,7 +16,7 @@
 mod common;
 
 use burn::backend::Flex;
-use common::{expected, ids, load, logit_deviation};
+use common::{expected, ids, load, logit_deviation, model_cache, open_cached};
 use toy_core::tokenizer::Tokenizer;
 
 /// The oracle prints 9 significant digits; the arithmetic is the same bit for bit.
@@ -76,28 +76,11 @@ fn q4_k_m_preset_matches_llama_cpp() {
 // `fixtures/smollm2/make_quant_types.sh`, and the Llama-3.2-1B-shaped model of
 // `benches/make-llama-1b.sh`, both in `$TOY_MODEL_CACHE` (default `~/.cache/toy-models`).
 
-fn model_cache() -> std::path::PathBuf {
-    std::env::var_os("TOY_MODEL_CACHE")
-        .map(Into::into)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/toy-models")
-        })
-}
-
 fn json(path: std::path::PathBuf) -> serde_json::Value {
     serde_json::from_str(
         &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
     )
     .unwrap()
-}
-
-fn open(path: &std::path::Path) -> toy_models::Model<Flex> {
-    let file = toy_core::gguf::GgufFile::open(path).unwrap_or_else(|e| {
-        panic!("{e} (make it with the script named at the top of this section)")
-    });
-    toy_models::load_model::<Flex>(&file, &Default::default(), |_, _| {})
-        .unwrap()
-        .1
 }
 
 /// Greedy ids (5 prompts × 32) and the 16-token prompt's per-position top-5 logits of SmolLM2 in
@@ -115,7 +98,8 @@ fn smollm2_in_every_type_matches_llama_cpp() {
         "IQ4_XS", "Q4_0", "Q3_K_M", "Q2_K",
     ] {
         let oracle = json(dir.join(format!("{ty}.json")));
-        let model = open(&model_cache().join(oracle["file"]["name"].as_str().unwrap()));
+        let path = model_cache().join(oracle["file"]["name"].as_str().unwrap());
+        let model = open_cached(&path, "fixtures/smollm2/make_quant_types.sh");
         let mut same = 0;
         for case in oracle["greedy"].as_array().unwrap() {
             let prompt = ids(&case["prompt_ids"]);
@@ -160,20 +144,6 @@ fn smollm2_in_every_type_matches_llama_cpp() {
 #[test]
 #[ignore = "needs the 1B-shaped model (benches/make-llama-1b.sh)"]
 fn llama_1b_shape_matches_llama_cpp() {
-    use toy_kernels::flex::{GgmlIsa, set_ggml_isa};
-    set_ggml_isa(GgmlIsa::Avx2);
-    let oracle = json(
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/llama-1b-shape/expected.json"),
-    );
-    for (name, m) in oracle["models"].as_object().unwrap() {
-        let model = open(&model_cache().join("llama-1b-shape").join(name));
-        for case in m["greedy"].as_array().unwrap() {
-            let prompt = ids(&case["prompt_ids"]);
-            let want = ids(&case["gen_ids"]);
-            let got = common::greedy(&model, &prompt, want.len());
-            assert_eq!(got, want, "{name}: greedy ids after {:?}", case["prompt"]);
-        }
-        eprintln!("{name}: greedy ids identical");
-    }
+    toy_kernels::flex::set_ggml_isa(toy_kernels::flex::GgmlIsa::Avx2);
+    common::llama_1b_shape_greedy_matches("expected.json");
 }

@@ -76,29 +76,5 @@ fn f16_matches_llama_cpp_avx512() {
 #[ignore = "needs the 1B-shaped model (benches/make-llama-1b.sh)"]
 fn llama_1b_shape_matches_llama_cpp_avx512() {
     toy_kernels::flex::set_ggml_isa(toy_kernels::flex::GgmlIsa::Avx512);
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../fixtures/llama-1b-shape/expected.avx512.json"
-    );
-    let oracle: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cache = std::env::var_os("TOY_MODEL_CACHE")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/toy-models")
-        });
-    for (name, m) in oracle["models"].as_object().unwrap() {
-        let file = toy_core::gguf::GgufFile::open(cache.join("llama-1b-shape").join(name))
-            .unwrap_or_else(|e| panic!("{e} (benches/make-llama-1b.sh makes it)"));
-        let model = toy_models::load_model::<Flex>(&file, &Default::default(), |_, _| {})
-            .unwrap()
-            .1;
-        for case in m["greedy"].as_array().unwrap() {
-            let prompt = ids(&case["prompt_ids"]);
-            let want = ids(&case["gen_ids"]);
-            let got = common::greedy(&model, &prompt, want.len());
-            assert_eq!(got, want, "{name}: greedy ids after {:?}", case["prompt"]);
-        }
-        eprintln!("{name}: greedy ids identical to the AVX-512 build's");
-    }
+    common::llama_1b_shape_greedy_matches("expected.avx512.json");
 }

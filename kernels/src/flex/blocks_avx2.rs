@@ -423,13 +423,12 @@ pub(super) fn dot_q2_k_repacked(w: &[u8], x: &[Q8K], per_128: bool) -> f32 {
             }
             *part = (hsum_i32_8(q2k_lanes_128(b, y, h)), imin);
         }
-        if per_128 {
-            for (isum, imin) in parts {
-                acc = (isum as f32).mul_add(scale, acc);
-                acc_min = (imin as f32).mul_add(scale_min, acc_min);
-            }
-        } else {
-            let (isum, imin) = (parts[0].0 + parts[1].0, parts[0].1 + parts[1].1);
+        let [(s0, m0), (s1, m1)] = parts;
+        let sums: &[(i32, i32)] = match per_128 {
+            true => &[(s0, m0), (s1, m1)],
+            false => &[(s0 + s1, m0 + m1)],
+        };
+        for &(isum, imin) in sums {
             acc = (isum as f32).mul_add(scale, acc);
             acc_min = (imin as f32).mul_add(scale_min, acc_min);
         }

@@ -322,6 +322,7 @@ mod avx2 {
                     l += 32;
                 }
             }
+            // Every other element type (for BF16_PAIRS, `l == k` already).
             while l < k {
                 for h in 0..H {
                     let off = (l + 8 * h) * es;

@@ -154,9 +154,8 @@ impl Pairs {
     }
 }
 
-/// One activation row (decode), compact: what `Pairs` holds for it without the twin, so a
-/// block's operands are 32 quant bytes, 8 lane biases and a scale side by side in three arrays
-/// that stay in L1.
+/// One activation row (decode), compact: a block's operands are 32 quant bytes, 8 lane biases
+/// and a scale, in three arrays that stay in L1 (`PairBlock` would hold each twice, 192 bytes).
 struct Row {
     /// `[k]` quants.
     q: Vec<i8>,
@@ -169,25 +168,35 @@ struct Row {
 }
 
 impl Row {
-    /// The single row of `x` (`x.m == 1`).
-    fn of(x: &Pairs) -> Row {
-        assert_eq!(x.m, 1);
+    /// `x[k]` quantized as ggml's Q8_0 / Q8_1 blocks (`quantize_block`), with each lane's
+    /// `-offset · Σ` for `format`.
+    fn quantize(x: &[f32], format: Format) -> Row {
+        let blocks = x.len() / BLOCK;
+        let off = offset(format);
         let mut row = Row {
-            q: Vec::with_capacity(x.blocks * BLOCK),
-            bias: Vec::with_capacity(x.blocks * 8),
-            d: Vec::with_capacity(x.blocks),
+            q: Vec::with_capacity(blocks * BLOCK),
+            bias: Vec::with_capacity(blocks * 8),
+            d: Vec::with_capacity(blocks),
             sums: Vec::new(),
         };
-        for blk in &x.data[..x.blocks] {
-            row.q.extend_from_slice(&blk.q[..32]);
-            row.bias.extend_from_slice(&blk.bias[..8]);
-            row.d.push(blk.d[0]);
-        }
-        if !x.sums.is_empty() {
-            row.sums = (0..x.blocks).map(|b| x.sums[b * x.rows_padded]).collect();
+        for block in x.chunks_exact(BLOCK) {
+            // SAFETY: `available()` was checked before any `Row` is built.
+            let (q, d, s4, sum) = unsafe { quantize_block(block) };
+            row.q.extend_from_slice(&q);
+            row.bias.extend(s4.iter().map(|s| -off * s));
+            row.d.push(d);
+            if format == Format::Q4_1 {
+                row.sums.push(sum);
+            }
         }
         row
     }
+}
+
+/// A matmul's activations as its kernels read them.
+enum Acts {
+    Row(Row),
+    Pairs(Pairs),
 }
 
 /// The weight operands of one matmul.
@@ -333,9 +342,9 @@ unsafe fn weight_block<const F: usize>(p: *const u8) -> __m256i {
 }
 
 /// Output `j` for a single activation row: the row's blocks in memory order, one block per
-/// 256-bit `vpdpbusd` and one FMA chain — the operations of `tile_rows2`'s half for `j`. One
-/// weight stream per call: two rows per 512-bit register (`tile_rows2`, two streams 2 KiB apart
-/// on a 1B model) read 20 GB/s on a Zen 4 EPYC where this reads 29 (2 threads, 64 MB).
+/// 256-bit `vpdpbusd` and one FMA chain — per output the operations of `tile_pairs`. One weight
+/// stream per call: two weight rows per 512-bit register (the earlier decode tile, two streams
+/// 2 KiB apart on a 1B model) read 20 GB/s on a Zen 4 EPYC where this reads 29 (2 threads, 64 MB).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 #[inline]
 unsafe fn row_dot<const F: usize>(x: &Row, w: &Weights, j: usize) -> f32 {
@@ -376,8 +385,11 @@ const TASK_COLS: usize = 16;
 /// The caller checks `available()`.
 pub(super) fn matmul(format: Format, x: &[f32], m: usize, k: usize, w: Weights) -> Vec<f32> {
     assert!(available());
-    let pairs = Pairs::quantize(x, m, k, format);
-    let row = (m == 1).then(|| Row::of(&pairs));
+    // Decode quantizes its one row compactly; prefill takes the rows in pairs.
+    let acts = match m {
+        1 => Acts::Row(Row::quantize(&x[..k], format)),
+        _ => Acts::Pairs(Pairs::quantize(x, m, k, format)),
+    };
     let mut y = vec![0.0f32; m * w.n];
     let out = Out {
         ptr: y.as_mut_ptr(),
@@ -389,13 +401,13 @@ pub(super) fn matmul(format: Format, x: &[f32], m: usize, k: usize, w: Weights) 
         // SAFETY: the CPU has the features (asserted above); tiles stay inside the operands
         // (asserted in the tiles) and each task writes only its columns c0..c1 of `y`.
         unsafe {
-            match (format, &row) {
-                (Format::Q8_0, Some(row)) => row_columns::<0>(row, &w, c0, c1, out),
-                (Format::Q4_0, Some(row)) => row_columns::<1>(row, &w, c0, c1, out),
-                (Format::Q4_1, Some(row)) => row_columns::<2>(row, &w, c0, c1, out),
-                (Format::Q8_0, None) => columns::<0>(&pairs, &w, c0, c1, out),
-                (Format::Q4_0, None) => columns::<1>(&pairs, &w, c0, c1, out),
-                (Format::Q4_1, None) => columns::<2>(&pairs, &w, c0, c1, out),
+            match (format, &acts) {
+                (Format::Q8_0, Acts::Row(row)) => row_columns::<0>(row, &w, c0, c1, out),
+                (Format::Q4_0, Acts::Row(row)) => row_columns::<1>(row, &w, c0, c1, out),
+                (Format::Q4_1, Acts::Row(row)) => row_columns::<2>(row, &w, c0, c1, out),
+                (Format::Q8_0, Acts::Pairs(pairs)) => columns::<0>(pairs, &w, c0, c1, out),
+                (Format::Q4_0, Acts::Pairs(pairs)) => columns::<1>(pairs, &w, c0, c1, out),
+                (Format::Q4_1, Acts::Pairs(pairs)) => columns::<2>(pairs, &w, c0, c1, out),
             }
         }
     };

@@ -17,7 +17,7 @@ use toy_models::{CausalLm, Model, load_model};
 #[path = "../../../test-support/smollm2.rs"]
 mod smollm2_path;
 #[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
-pub use smollm2_path::smollm2;
+pub use smollm2_path::{model_cache, smollm2};
 
 /// A JSON fixture from `fixtures/smollm2/`. They were made by llama.cpp's AVX-512 x86 build, so
 /// the CPU backend is set to reproduce that build's arithmetic.
@@ -144,4 +144,37 @@ pub fn logit_deviation<B: ToyBackend>(
         }
     }
     worst
+}
+
+// Files made outside git, in the model cache.
+
+/// A GGUF file of the model cache, loaded on the CPU backend; a missing file names the script
+/// that makes it.
+pub fn open_cached(path: &std::path::Path, made_by: &str) -> Model<burn::backend::Flex> {
+    let file = GgufFile::open(path).unwrap_or_else(|e| panic!("{e} ({made_by} makes it)"));
+    load_model::<burn::backend::Flex>(&file, &Default::default(), |_, _| {})
+        .unwrap()
+        .1
+}
+
+/// The random-weight Llama-3.2-1B-shaped model in each type `fixtures/llama-1b-shape/{expected}`
+/// lists, against the greedy ids in it (the caller has set the llama.cpp build it came from).
+pub fn llama_1b_shape_greedy_matches(expected: &str) {
+    let path = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../fixtures/llama-1b-shape"
+    ))
+    .join(expected);
+    let oracle: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (name, m) in oracle["models"].as_object().unwrap() {
+        let path = model_cache().join("llama-1b-shape").join(name);
+        let model = open_cached(&path, "benches/make-llama-1b.sh");
+        for case in m["greedy"].as_array().unwrap() {
+            let prompt = ids(&case["prompt_ids"]);
+            let want = ids(&case["gen_ids"]);
+            let got = greedy(&model, &prompt, want.len());
+            assert_eq!(got, want, "{name}: greedy ids after {:?}", case["prompt"]);
+        }
+        eprintln!("{name}: greedy ids identical ({expected})");
+    }
 }

@@ -2,6 +2,7 @@
 //! specifications.
 
 use super::*;
+use crate::packed::QK_K;
 
 fn rng(seed: u64) -> impl FnMut() -> u32 {
     let mut s = seed;
