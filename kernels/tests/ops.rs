@@ -39,18 +39,26 @@ fn packed<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> (Tensor<B, 2, Int>, T
     )
 }
 
-/// The device form of a split-layout weight.
+/// The device form of a packed weight (either layout).
 fn packed_tensor<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> PackedTensor<B> {
-    let (words, scales) = packed::<B>(p, d);
+    let per_row = p.words.len() / p.rows;
+    let side = |v: &Option<Vec<f32>>| {
+        v.as_ref().map(|v| {
+            float::<B, 2>(v.clone(), [p.rows, p.cols / 32], d)
+                .into_primitive()
+                .tensor()
+        })
+    };
     PackedTensor {
         ty: p.ty,
         cols: p.cols,
-        words: words.into_primitive(),
-        scales: Some(scales.into_primitive().tensor()),
-        mins: p
-            .mins
-            .as_ref()
-            .map(|_| mins::<B>(p, d).into_primitive().tensor()),
+        words: Tensor::<B, 2, Int>::from_data(
+            TensorData::new(p.words.clone(), [p.rows, per_row]),
+            (d, DType::U32),
+        )
+        .into_primitive(),
+        scales: side(&p.scales),
+        mins: side(&p.mins),
         repackable: false,
     }
 }
@@ -68,12 +76,38 @@ fn random_q4_1(n_blocks: usize, seed: u64) -> Vec<u8> {
     out
 }
 
+/// Random blocks of `ty`: every bit pattern, except that the f16 fields (scales and mins) hold
+/// finite values of a realistic size.
+fn random_blocks(ty: GgmlType, n_blocks: usize, seed: u64) -> Vec<u8> {
+    let mut rng = SplitMix64::new(seed);
+    let size = ty.type_size();
+    let mut out: Vec<u8> = (0..n_blocks * size).map(|_| rng.next_u64() as u8).collect();
+    let fields: &[usize] = match ty {
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q5_1 => &[0, 2],
+        GgmlType::Q6K => &[208],
+        _ => &[0],
+    };
+    for block in out.chunks_exact_mut(size) {
+        for &f in fields {
+            let v = (rng.next_u64() % 2000) as f32 / 2000.0 * 0.05 + 1e-4;
+            let v = if rng.next_u64() % 2 == 0 { -v } else { v };
+            block[f..f + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    out
+}
+
 /// A random `[n, k]` weight of type `ty` (quantized with ggml's reference quantizer where toy-core
-/// has one), packed, and its exact dequantization.
+/// has one, else random blocks), packed, and its exact dequantization.
 fn weight(ty: GgmlType, n: usize, k: usize, seed: u64) -> (HostPacked, Vec<f32>) {
     let blocks = match ty {
         GgmlType::Q4_1 => random_q4_1(n * k / 32, seed),
-        _ => quantize(ty, &randn(n * k, seed)).unwrap(),
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::F16 | GgmlType::BF16 => {
+            quantize(ty, &randn(n * k, seed)).unwrap()
+        }
+        _ => random_blocks(ty, n * k / ty.block_size(), seed),
     };
     let dense = dequantize_to_vec(ty, &blocks).unwrap();
     (pack(ty, &blocks, n, k).unwrap(), dense)
@@ -857,6 +891,152 @@ mod wgpu {
     fn q4_1_matmul_kernel() {
         check_matmul::<Wgpu>(GgmlType::Q4_1, true);
         matches_flex(GgmlType::Q4_1);
+    }
+
+    /// Every packed type's `blocks` kernels — the matrix-vector kernel (M ≤ 8), the tiled kernel
+    /// forward and backward (dX = dY · W), the rows kernel — against the exact dequantized weight
+    /// (ggml's `dequantize_row_*`), in f64. Shapes: M on both sides of the kernel switch and of
+    /// the 16-row tile, K of 1, 3 and 9 super-blocks, N not a multiple of the tile.
+    /// Q8_0/Q4_0/Q4_1's forward is the `qmatmul` kernels' (tested above); their backward and rows
+    /// are these kernels'.
+    fn blocks_kernels(ty: GgmlType) {
+        let d = Default::default();
+        let product_bound = |a: &[f32], wv: &[f32]| -> f64 {
+            a.iter()
+                .zip(wv)
+                .map(|(x, w)| (*x as f64 * *w as f64).abs())
+                .sum::<f64>()
+                * 1e-5
+                + 1e-6
+        };
+        for k in [256, 768, 2304] {
+            let n = 37;
+            let (p, w) = weight(ty, n, k, k as u64);
+            // Rows and the whole weight, widened: the dequantizer's values.
+            let ids = [n - 1, 0, 5, 5, 17];
+            let ids_t = Tensor::<Wgpu, 1, Int>::from_data(
+                TensorData::new(
+                    ids.iter().map(|&i| i as i32).collect::<Vec<_>>(),
+                    [ids.len()],
+                ),
+                &d,
+            );
+            let rows = Wgpu::packed_rows(packed_tensor::<Wgpu>(&p, &d), ids_t.into_primitive());
+            let rows = host(Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(
+                rows,
+            )));
+            for (r, &i) in ids.iter().enumerate() {
+                for c in 0..k {
+                    let (g, e) = (rows[r * k + c], w[i * k + c]);
+                    assert!(
+                        g == e,
+                        "{ty} k={k} row {i} [{c}]: rows kernel {g}, dequantizer {e}"
+                    );
+                }
+            }
+            let all = Wgpu::packed_dequantize(packed_tensor::<Wgpu>(&p, &d));
+            let all = host(Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(
+                all,
+            )));
+            assert!(
+                all == w,
+                "{ty} k={k}: packed_dequantize differs from the dequantizer"
+            );
+
+            for m in [1, 3, 8, 9, 17, 40] {
+                let x = randn(m * k, 3 + m as u64);
+                if !toy_kernels::packed::is_split(ty) {
+                    let xt = float::<Wgpu, 2>(x.clone(), [m, k], &d)
+                        .into_primitive()
+                        .tensor();
+                    let y = Wgpu::packed_matmul(xt, packed_tensor::<Wgpu>(&p, &d));
+                    let got = host(Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(y)));
+                    let want = matmul_f64(&x, &w, m, k, n);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let bound =
+                                product_bound(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
+                            let err = (got[i * n + j] as f64 - want[i * n + j]).abs();
+                            assert!(
+                                err <= bound,
+                                "{ty} m={m} k={k} [{i},{j}]: err {err} > {bound}"
+                            );
+                        }
+                    }
+                }
+                // dX = dY · W.
+                let dy = randn(m * n, 9 + m as u64);
+                let dyt = float::<Wgpu, 2>(dy.clone(), [m, n], &d)
+                    .into_primitive()
+                    .tensor();
+                let dx = Wgpu::packed_matmul_backward(dyt, packed_tensor::<Wgpu>(&p, &d));
+                let got = host(Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(
+                    dx,
+                )));
+                for i in 0..m {
+                    for c in 0..k {
+                        let col: Vec<f32> = (0..n).map(|j| w[j * k + c]).collect();
+                        let want: f64 = (0..n).map(|j| dy[i * n + j] as f64 * col[j] as f64).sum();
+                        let bound = product_bound(&dy[i * n..(i + 1) * n], &col);
+                        let err = (got[i * k + c] as f64 - want).abs();
+                        assert!(
+                            err <= bound,
+                            "{ty} dX m={m} k={k} [{i},{c}]: err {err} > {bound}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn k_quant_kernels() {
+        for ty in [
+            GgmlType::Q2K,
+            GgmlType::Q3K,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ] {
+            blocks_kernels(ty);
+        }
+    }
+
+    #[test]
+    fn q5_iq4_and_16_bit_kernels() {
+        for ty in [
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::IQ4NL,
+            GgmlType::IQ4XS,
+            GgmlType::F16,
+            GgmlType::BF16,
+        ] {
+            blocks_kernels(ty);
+        }
+        // 16-bit rows of any length (here 100 = 6 groups of 16 and 4 values).
+        for ty in [GgmlType::F16, GgmlType::BF16] {
+            let d = Default::default();
+            let (m, k, n) = (2, 100, 21);
+            let (p, w) = weight(ty, n, k, 77);
+            let x = randn(m * k, 78);
+            let xt = float::<Wgpu, 2>(x.clone(), [m, k], &d)
+                .into_primitive()
+                .tensor();
+            let y = Wgpu::packed_matmul(xt, packed_tensor::<Wgpu>(&p, &d));
+            let got = host(Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(y)));
+            let want = matmul_f64(&x, &w, m, k, n);
+            for (g, e) in got.iter().zip(&want) {
+                assert!((*g as f64 - e).abs() < 1e-4, "{ty} k={k}: {g} vs {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn split_layout_backward_and_rows_kernels() {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+            blocks_kernels(ty);
+        }
     }
 
     #[test]
