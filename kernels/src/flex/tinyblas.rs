@@ -152,6 +152,12 @@ pub(super) fn matmul(
         // SAFETY: column `r0 + r` of row `i` is `i · n + r0 + r < m · n`, written by this task only.
         let o = unsafe { dst.get().add(r0) };
         #[cfg(target_arch = "x86_64")]
+        if avx512::takes(elem, isa) {
+            // SAFETY: `takes` checked the CPU's AVX-512 features; the operands as below.
+            unsafe { avx512::task(w, rows, x, m, k, elem, isa, o, n) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if cpu_level() >= CpuLevel::Avx2 {
             // SAFETY: the CPU has AVX2, FMA and F16C; the slices hold `rows` and `m` rows, and
             // `o` addresses this task's columns of `[m, n]`.
@@ -462,6 +468,217 @@ mod avx2 {
                     match i1 - i {
                         2 => tile::<E, H, RM, 2>(wr, x.add(i * ld), ld, k, o.add(i * n), n),
                         1 => tile::<E, H, RM, 1>(wr, x.add(i * ld), ld, k, o.add(i * n), n),
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The AVX-512 builds' tiles on 512-bit registers, for CPUs that have them: one zmm accumulator
+/// per output holds the 16 lanes the AVX2 kernel keeps in two ymm halves — each lane the same
+/// chain of FMAs over the same elements, then `_mm512_reduce_add_ps`'s halves-first sum — so the
+/// same bits; 32 registers hold a 4 × 6 tile. BF16 in the AVX512_BF16 build runs `vdpbf16ps`
+/// itself (the AVX2 kernel's `BF16_PAIRS` emulates it: odd product, then even, per lane).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::super::blocks_avx2::hsum_float_8 as hsum;
+    use super::super::{CpuLevel, cpu_level};
+    use super::{Elem, GgmlIsa};
+
+    const F32: u8 = 0;
+    const F16: u8 = 1;
+    const BF16: u8 = 2;
+    const BF16_PAIRS: u8 = 3;
+    /// Weight rows × activation rows per tile.
+    const RM: usize = 4;
+    const RN: usize = 6;
+
+    /// Whether this CPU runs `elem` in the `isa` build's order here: a 16-lane build (the AVX2
+    /// build's 8 lanes stay on the AVX2 kernel) and AVX-512 in use (`TOY_CPU=avx2` turns it off);
+    /// `vdpbf16ps` needs AVX512_BF16.
+    pub(super) fn takes(elem: Elem, isa: GgmlIsa) -> bool {
+        if isa == GgmlIsa::Avx2 || cpu_level() < CpuLevel::Avx512 {
+            return false;
+        }
+        elem != Elem::BF16
+            || isa != GgmlIsa::Avx512Bf16
+            || std::is_x86_feature_detected!("avx512bf16")
+    }
+
+    /// Sixteen elements of type `E` at `p`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn load16<const E: u8>(p: *const u8) -> __m512 {
+        // SAFETY: the caller's pointer addresses 16 elements.
+        unsafe {
+            match E {
+                F32 => _mm512_loadu_ps(p as *const f32),
+                F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+                _ => _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)),
+                    16,
+                )),
+            }
+        }
+    }
+
+    /// The `R × C` outputs of weight rows `w + r·ld` by activation rows `x + i·ld` into
+    /// `out[i·n + r]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn tile<const E: u8, const R: usize, const C: usize>(
+        w: *const u8,
+        x: *const u8,
+        ld: usize,
+        k: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        // SAFETY: the caller's contract; BF16_PAIRS is only asked for where the CPU has
+        // AVX512_BF16 (`takes`).
+        unsafe {
+            if E == BF16_PAIRS {
+                return tile_pairs::<R, C>(w, x, ld, k, out, n);
+            }
+            let es = if E == F32 { 4 } else { 2 };
+            let mut acc = [[_mm512_setzero_ps(); C]; R];
+            let mut l = 0;
+            while l < k {
+                let mut b = [_mm512_setzero_ps(); C];
+                for j in 0..C {
+                    b[j] = load16::<E>(x.add(j * ld + l * es));
+                }
+                for i in 0..R {
+                    let a = load16::<E>(w.add(i * ld + l * es));
+                    for j in 0..C {
+                        acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+                    }
+                }
+                l += 16;
+            }
+            store(&acc, out, n);
+        }
+    }
+
+    /// [`tile`] for bf16 in the AVX512_BF16 build: 32 elements per step, 16 lanes of one
+    /// `vdpbf16ps` pair each.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+    unsafe fn tile_pairs<const R: usize, const C: usize>(
+        w: *const u8,
+        x: *const u8,
+        ld: usize,
+        k: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let mut l = 0;
+        // SAFETY: the caller's rows hold `k` (a multiple of 32) elements each.
+        unsafe {
+            while l < k {
+                let mut b = [_mm512_setzero_si512(); C];
+                for j in 0..C {
+                    b[j] = _mm512_loadu_si512(x.add(j * ld + 2 * l) as *const __m512i);
+                }
+                for i in 0..R {
+                    let a = _mm512_loadu_si512(w.add(i * ld + 2 * l) as *const __m512i);
+                    let a: __m512bh = std::mem::transmute(a);
+                    for j in 0..C {
+                        let bj: __m512bh = std::mem::transmute(b[j]);
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, bj);
+                    }
+                }
+                l += 32;
+            }
+            store(&acc, out, n);
+        }
+    }
+
+    /// Each accumulator's 16 lanes summed as `_mm512_reduce_add_ps` sums them (the upper half
+    /// onto the lower, then `hsum_float_8`), into `out[j·n + i]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn store<const R: usize, const C: usize>(
+        acc: &[[__m512; C]; R],
+        out: *mut f32,
+        n: usize,
+    ) {
+        for i in 0..R {
+            for j in 0..C {
+                let v = acc[i][j];
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                // SAFETY: the caller's `out` addresses the tile.
+                unsafe { *out.add(j * n + i) = hsum(_mm256_add_ps(hi, _mm512_castps512_ps256(v))) };
+            }
+        }
+    }
+
+    /// Weight rows `w[rows, k]` by all activation rows `x[m, k]`: `out[i·n + r]`. The CPU has
+    /// what [`takes`] asks for.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn task(
+        w: &[u8],
+        rows: usize,
+        x: &[u8],
+        m: usize,
+        k: usize,
+        elem: Elem,
+        isa: GgmlIsa,
+        out: *mut f32,
+        n: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (elem, isa) {
+                (Elem::F32, _) => task_of::<F32>(w, rows, x, m, k, out, n),
+                (Elem::F16, _) => task_of::<F16>(w, rows, x, m, k, out, n),
+                (Elem::BF16, GgmlIsa::Avx512Bf16) => {
+                    task_of::<BF16_PAIRS>(w, rows, x, m, k, out, n)
+                }
+                (Elem::BF16, _) => task_of::<BF16>(w, rows, x, m, k, out, n),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn task_of<const E: u8>(
+        w: &[u8],
+        rows: usize,
+        x: &[u8],
+        m: usize,
+        k: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let ld = k * if E == F32 { 4 } else { 2 };
+        // Activation rows per block: about 192 KiB of them, a multiple of the tile's RN.
+        let block = (192 * 1024 / ld).clamp(RN, m.max(RN)) / RN * RN;
+        let (w, x) = (w.as_ptr(), x.as_ptr());
+        // SAFETY: every pointer below stays inside `w[rows · ld]`, `x[m · ld]` and the caller's
+        // columns of `out` (`rows` is a multiple of 4 = RM).
+        unsafe {
+            for i0 in (0..m).step_by(block) {
+                let i1 = (i0 + block).min(m);
+                for r in (0..rows).step_by(RM) {
+                    let (wr, o) = (w.add(r * ld), out.add(r));
+                    let mut i = i0;
+                    while i + RN <= i1 {
+                        tile::<E, RM, RN>(wr, x.add(i * ld), ld, k, o.add(i * n), n);
+                        i += RN;
+                    }
+                    let (xr, or) = (x.add(i * ld), o.add(i * n));
+                    match i1 - i {
+                        5 => tile::<E, RM, 5>(wr, xr, ld, k, or, n),
+                        4 => tile::<E, RM, 4>(wr, xr, ld, k, or, n),
+                        3 => tile::<E, RM, 3>(wr, xr, ld, k, or, n),
+                        2 => tile::<E, RM, 2>(wr, xr, ld, k, or, n),
+                        1 => tile::<E, RM, 1>(wr, xr, ld, k, or, n),
                         _ => {}
                     }
                 }
