@@ -284,6 +284,30 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
     None
 }
 
+/// Eight outputs — two weight rows against four activation rows of the same form — where a
+/// CPU-specific kernel computes them (the same bits as eight `dot_avx2` calls); `None`
+/// elsewhere. Today: Q5_0 and Q5_1 on CPUs with AVX-512 VNNI.
+fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Option<[[f32; 4]; 2]> {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_level() >= super::CpuLevel::Avx512 && form == Form::VecDot {
+        use super::blocks32_avx2 as w32;
+        let rows: [&QuantRow; 4] = match x {
+            [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
+            _ => return None,
+        };
+        // SAFETY: the CPU has AVX2, FMA, F16C and AVX-512 F/VL/VNNI (`cpu_level`).
+        return unsafe {
+            match ty {
+                GgmlType::Q5_0 => Some(w32::dot2_q5_rows4_vnni::<false>(w, rows)),
+                GgmlType::Q5_1 => Some(w32::dot2_q5_rows4_vnni::<true>(w, rows)),
+                _ => None,
+            }
+        };
+    }
+    let _ = (ty, w, x, form);
+    None
+}
+
 /// The fastest `dot` this CPU has.
 fn dot_impl() -> fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -374,6 +398,26 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                         (0..8).for_each(|r| cols[(c0 + r) * m + i] = y[r]);
                     }
                     c0 += 8;
+                }
+                // Two weight rows by four activation rows per call where that kernel exists.
+                'pairs: while c0 + 2 <= ncols {
+                    let pair = [wr(c0), wr(c0 + 1)];
+                    let mut i = i0;
+                    while i + 4 <= i1 && forms[i..i + 4].iter().all(|&f| f == forms[i]) {
+                        let x = [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]];
+                        let Some(y) = dot2_rows4(ty, pair, x, forms[i]) else {
+                            break 'pairs;
+                        };
+                        cols[c0 * m + i..c0 * m + i + 4].copy_from_slice(&y[0]);
+                        cols[(c0 + 1) * m + i..(c0 + 1) * m + i + 4].copy_from_slice(&y[1]);
+                        i += 4;
+                    }
+                    for i in i..i1 {
+                        for (c, w) in [(c0, pair[0]), (c0 + 1, pair[1])] {
+                            cols[c * m + i] = dot(ty, w, &acts[i], forms[i], isa);
+                        }
+                    }
+                    c0 += 2;
                 }
                 for c in c0..ncols {
                     let wr = wr(c);

@@ -147,6 +147,41 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
     assert_eq!(checked, 48);
 }
 
+/// The 2 × 4 kernels (AVX-512 VNNI) give each output the specification's bits.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn two_by_four_dots_are_bit_identical_to_the_spec() {
+    if super::super::cpu_level() < super::super::CpuLevel::Avx512 {
+        return;
+    }
+    let mut next = rng(17);
+    let mut checked = 0;
+    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+        for blocks in [1usize, 2, 7, 72] {
+            let k = blocks * 32;
+            let w0 = random_row(ty, blocks, &mut next);
+            let w1 = random_row(ty, blocks, &mut next);
+            let acts: Vec<ActRow> = (0..4)
+                .map(|_| activation(ty, &random_activations(k, &mut next), Form::VecDot))
+                .collect();
+            let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
+            let got = dot2_rows4(ty, [&w0, &w1], rows, Form::VecDot).expect("a 2 × 4 kernel");
+            for (j, w) in [&w0, &w1].into_iter().enumerate() {
+                for r in 0..4 {
+                    let want = dot(ty, w, &acts[r], Form::VecDot, GgmlIsa::Avx2);
+                    assert_eq!(
+                        got[j][r].to_bits(),
+                        want.to_bits(),
+                        "{ty} weight row {j}, activation row {r}, {blocks} blocks"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 64);
+}
+
 /// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9
 /// super-blocks (odd block counts exercise IQ4_NL's scalar last block).
 #[cfg(target_arch = "x86_64")]
