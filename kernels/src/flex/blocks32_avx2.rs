@@ -110,7 +110,10 @@ pub(super) fn dot2_q5_rows4_vnni<const Q5_1: bool>(
     let mut summs = [[0.0f32; 4]; 2];
     let sixteen = _mm256_set1_epi8(16);
     for i in 0..nb {
-        let b = [&w[0][size * i..size * (i + 1)], &w[1][size * i..size * (i + 1)]];
+        let b = [
+            &w[0][size * i..size * (i + 1)],
+            &w[1][size * i..size * (i + 1)],
+        ];
         // No closures here: they would not be inlined into this target-feature function.
         let at = if Q5_1 { 4 } else { 2 };
         let qh0 = u32::from_le_bytes([b[0][at], b[0][at + 1], b[0][at + 2], b[0][at + 3]]);
