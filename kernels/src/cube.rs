@@ -58,10 +58,13 @@ fn use_reference(op: &str) -> bool {
     list.iter().any(|s| s == op || s == "all")
 }
 
+/// A packed weight of a `CubeBackend`.
+type CubePacked<R, F, I, BT> = PackedTensor<CubeBackend<R, F, I, BT>>;
+
 /// A packed weight as the `blocks` kernels take it, or back unchanged if its type has none.
 fn device_weight<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    w: PackedTensor<CubeBackend<R, F, I, BT>>,
-) -> Result<blocks::Weight<R>, PackedTensor<CubeBackend<R, F, I, BT>>> {
+    w: CubePacked<R, F, I, BT>,
+) -> Result<blocks::Weight<R>, CubePacked<R, F, I, BT>> {
     match blocks::Format::of(w.ty) {
         Some(fmt) => Ok(blocks::Weight {
             words: w.words,
