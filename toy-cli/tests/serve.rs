@@ -291,17 +291,18 @@ fn openai_client_end_to_end_and_greedy_chat_equals_infer() {
     let _ = std::fs::remove_dir_all(&runs);
 }
 
-/// Every family serves: tiny gemma3 (Q8_0), GPT-2 and phi3 (Q8_0, fused QKV), none with a chat
-/// template of its own, given their real ones with `--chat-template-file` (`fixtures/chat/`;
-/// GPT-2 a plain one), pass the OpenAI-client suite, and their greedy chat equals
-/// `toy infer --chat` with the same template.
+/// Every family serves: tiny gemma3 (Q8_0), GPT-2, phi3 (Q8_0, fused QKV) and granite (Q8_0),
+/// none with a chat template of its own, given their real ones with `--chat-template-file`
+/// (`fixtures/chat/`; GPT-2 a plain one; Granite 3.3's calls `strftime_now`), pass the
+/// OpenAI-client suite, and their greedy chat equals `toy infer --chat` with the same template.
 #[test]
-fn openai_client_on_gemma3_gpt2_and_phi3() {
+fn openai_client_on_gemma3_gpt2_phi3_and_granite() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     for (model, template) in [
         ("tiny-gemma3-q8_0", "gemma3.jinja"),
         ("tiny-gpt2", "plain.jinja"),
         ("tiny-phi3-q8_0", "phi3.5.jinja"),
+        ("tiny-granite-q8_0", "granite3.3.jinja"),
     ] {
         let model = root().join(format!("fixtures/models/{model}.gguf"));
         let template = root().join("fixtures/chat").join(template);
