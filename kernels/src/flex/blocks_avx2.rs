@@ -482,7 +482,10 @@ pub(super) fn dot_q4_k_gemm_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
     for xa in &x {
         assert!(xa.len() >= nb);
     }
-    let (mut acc, mut acc_min) = ([0.0f32; 4], [0.0f32; 4]);
+    // The four rows' float steps run in the lanes of one register: per super-block and each
+    // 64-value part j in order, `acc = fma(isum_j, dw·d_y, acc)` and likewise for the mins —
+    // the scalar chain of each row, four rows at once.
+    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
     for (i, b) in w.chunks_exact(144).enumerate() {
         let (dw, dmw) = (f16c_at(b, 0), f16c_at(b, 2));
         let (scales, mins) = scales_mins_k4(&b[4..16]);
@@ -493,6 +496,9 @@ pub(super) fn dot_q4_k_gemm_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
             lo[j] = _mm256_and_si256(bits, m4);
             hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
         }
+        // Per row a: its four parts' exact sums (lanes j), and its four min products.
+        let mut isums = [_mm_setzero_si128(); 4];
+        let mut imins = [_mm_setzero_si128(); 4];
         for a in 0..4 {
             let y = &x[a][i];
             let mut parts = [_mm256_setzero_si256(); 4];
@@ -509,20 +515,42 @@ pub(super) fn dot_q4_k_gemm_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
                     scaled_lanes(hi[j], y_hi, k4_scale(scales, 2 * j + 1)),
                 );
             }
-            let (mut isums, mut imins) = ([0i32; 4], [0i32; 4]);
-            // SAFETY: 4 i32 = 16 bytes each.
-            unsafe {
-                _mm_storeu_si128(isums.as_mut_ptr() as *mut __m128i, hsum4_i32_8(parts));
-                _mm_storeu_si128(imins.as_mut_ptr() as *mut __m128i, mins_prod(mins, y));
-            }
-            let (scale, scale_min) = (dw * y.d, dmw * y.d);
-            for (isum, imin) in isums.into_iter().zip(imins) {
-                acc[a] = (isum as f32).mul_add(scale, acc[a]);
-                acc_min[a] = (imin as f32).mul_add(scale_min, acc_min[a]);
-            }
+            isums[a] = hsum4_i32_8(parts);
+            imins[a] = mins_prod(mins, y);
+        }
+        // Lanes a of part j.
+        let isums = transpose4(isums);
+        let imins = transpose4(imins);
+        let yd = _mm_setr_ps(x[0][i].d, x[1][i].d, x[2][i].d, x[3][i].d);
+        let (scale, scale_min) = (
+            _mm_mul_ps(_mm_set1_ps(dw), yd),
+            _mm_mul_ps(_mm_set1_ps(dmw), yd),
+        );
+        for j in 0..4 {
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isums[j]), scale, acc);
+            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imins[j]), scale_min, acc_min);
         }
     }
-    std::array::from_fn(|a| acc[a] - acc_min[a])
+    let mut out = [0.0f32; 4];
+    // SAFETY: 4 f32 = 16 bytes.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min)) };
+    out
+}
+
+/// The 4 × 4 transpose of i32 lanes: lane a of result j is lane j of `v[a]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose4(v: [__m128i; 4]) -> [__m128i; 4] {
+    let t0 = _mm_unpacklo_epi32(v[0], v[1]); // v0.0 v1.0 v0.1 v1.1
+    let t1 = _mm_unpacklo_epi32(v[2], v[3]); // v2.0 v3.0 v2.1 v3.1
+    let t2 = _mm_unpackhi_epi32(v[0], v[1]); // v0.2 v1.2 v0.3 v1.3
+    let t3 = _mm_unpackhi_epi32(v[2], v[3]);
+    [
+        _mm_unpacklo_epi64(t0, t1),
+        _mm_unpackhi_epi64(t0, t1),
+        _mm_unpacklo_epi64(t2, t3),
+        _mm_unpackhi_epi64(t2, t3),
+    ]
 }
 
 /// Q4_K's one-row repacked kernel (`dot_q4_k_repacked(w, x, false)`) for eight weight rows at
