@@ -37,6 +37,25 @@ fn sext8(b: u32) -> i32 {
     s - ((s >> 7) << 8)
 }
 
+/// The sum of every unit's `value` over a cube of `units` units (a power of two), through
+/// shared memory (no plane operations); every unit gets the total.
+#[cube]
+fn cube_sum(value: f32, lane: usize, #[comptime] units: u32) -> f32 {
+    let mut partial = SharedMemory::<f32>::new(units as usize);
+    partial[lane] = value;
+    sync_cube();
+    let mut width = (units / 2).runtime() as usize;
+    while width > 0 {
+        if lane < width {
+            let other = partial[lane + width];
+            partial[lane] += other;
+        }
+        sync_cube();
+        width /= 2;
+    }
+    partial[0]
+}
+
 /// Split `n` cubes over the x and y grid dimensions (each at most 65535).
 fn spread(n: usize) -> (u32, u32) {
     let x = n.clamp(1, MAX_CUBES);

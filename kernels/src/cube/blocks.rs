@@ -24,7 +24,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::{sext8, spread};
+use super::{cube_sum, sext8, spread};
 use crate::packed::GgmlType;
 
 // Weight formats, as comptime kernel parameters.
@@ -430,20 +430,9 @@ fn matvec_kernel<F: Float, Q: Int>(
         acc += f32::cast_from(x[xrow + k * x.stride(1)]) * w;
         k += MATVEC_UNITS as usize;
     }
-    let mut partial = SharedMemory::<f32>::new(MATVEC_UNITS as usize);
-    partial[lane] = acc;
-    sync_cube();
-    let mut width = (MATVEC_UNITS / 2).runtime() as usize;
-    while width > 0 {
-        if lane < width {
-            let other = partial[lane + width];
-            partial[lane] += other;
-        }
-        sync_cube();
-        width /= 2;
-    }
+    let total = cube_sum(acc, lane, MATVEC_UNITS);
     if lane == 0 {
-        out[row * out.stride(0) + n * out.stride(1)] = F::cast_from(partial[0]);
+        out[row * out.stride(0) + n * out.stride(1)] = F::cast_from(total);
     }
 }
 

@@ -12,7 +12,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::{sext8, spread};
+use super::{cube_sum, sext8, spread};
 use crate::packed::{BLOCK, GgmlType};
 
 /// Weight block formats, as comptime kernel parameters.
@@ -268,20 +268,9 @@ fn qmatvec_kernel<F: Float, Q: Int>(
         }
         blk += units as usize;
     }
-    let mut partial = SharedMemory::<f32>::new(units as usize);
-    partial[lane] = acc;
-    sync_cube();
-    let mut width = (units / 2).runtime() as usize;
-    while width > 0 {
-        if lane < width {
-            let other = partial[lane + width];
-            partial[lane] += other;
-        }
-        sync_cube();
-        width /= 2;
-    }
+    let total = cube_sum(acc, lane, units);
     if lane == 0 {
-        out[row * out.stride(0) + n * out.stride(1)] = F::cast_from(partial[0]);
+        out[row * out.stride(0) + n * out.stride(1)] = F::cast_from(total);
     }
 }
 
