@@ -266,6 +266,20 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
             return (form == Form::Gemm)
                 .then(|| unsafe { super::blocks_avx2::dot_q4_k_gemm_rows4(w, [a, b, c, d]) });
         }
+        if let (
+            [
+                ActRow::Q8K(a),
+                ActRow::Q8K(b),
+                ActRow::Q8K(c),
+                ActRow::Q8K(d),
+            ],
+            GgmlType::Q6K,
+            Form::Tiled,
+        ) = (x, ty, form)
+        {
+            // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+            return Some(unsafe { super::blocks_avx2::dot_q6_k_tiled_rows4(w, [a, b, c, d]) });
+        }
         let rows: [&QuantRow; 4] = match x {
             [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
             _ => return None,

@@ -642,6 +642,61 @@ pub(super) fn dot_iq4_xs(w: &[u8], x: &[Q8K]) -> f32 {
     hsum_float_8(acc)
 }
 
+/// `dot_tiled` of a Q6_K row for four activation rows: each super-block's 6-bit values are
+/// unpacked once for the four (as `q6k_lanes` unpacks them for one), and the four rows' float
+/// steps run in the lanes of one register — per super-block `r = d · Σ`, then
+/// `acc = fma(r, d_y, acc)`, each lane its row's chain. The same bits as four `dot_tiled` calls.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q6_k_tiled_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
+    let nb = w.len() / 210;
+    for xa in &x {
+        assert!(xa.len() >= nb);
+    }
+    let (m15, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
+    let mut acc = _mm_setzero_ps();
+    for (i, b) in w.chunks_exact(210).enumerate() {
+        let (ql, qh) = (&b[0..128], &b[128..192]);
+        let sc = load128(&b[192..208]);
+        let sc16 = _mm256_cvtepi8_epi16(sc);
+        // The 256 values as eight registers of 32 (ggml's order: 128·j + 32·t).
+        let mut q = [_mm256_setzero_si256(); 8];
+        for j in 0..2 {
+            let b1 = load256(&ql[64 * j..]);
+            let b2 = load256(&ql[64 * j + 32..]);
+            let h = load256(&qh[32 * j..]);
+            let high0 = _mm256_slli_epi16(_mm256_and_si256(h, m3), 4);
+            let high2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4);
+            let high4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4);
+            let high6 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4);
+            q[4 * j] = _mm256_or_si256(_mm256_and_si256(b1, m15), high0);
+            q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15), high2);
+            q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), high4);
+            q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high6);
+        }
+        let mut lanes = [_mm256_setzero_si256(); 4];
+        for a in 0..4 {
+            let y = &x[a][i];
+            let mut sumi = _mm256_setzero_si256();
+            for (p, q) in q.iter().enumerate() {
+                // SAFETY: 32 activations at 32·p + 32 ≤ 256.
+                let y8 = unsafe { _mm256_loadu_si256(y.qs.as_ptr().add(32 * p) as *const __m256i) };
+                sumi = _mm256_add_epi32(sumi, scaled_lanes(*q, y8, i8_scale_pair(sc, p)));
+            }
+            // SAFETY: `bsums` is 16 i16 = 32 bytes.
+            let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
+            lanes[a] = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5));
+        }
+        let totals = _mm_cvtepi32_ps(hsum4_i32_8(lanes));
+        let r = _mm_mul_ps(_mm_set1_ps(f16c_at(b, 208)), totals);
+        let yd = _mm_setr_ps(x[0][i].d, x[1][i].d, x[2][i].d, x[3][i].d);
+        acc = _mm_fmadd_ps(r, yd, acc);
+    }
+    let mut out = [0.0f32; 4];
+    // SAFETY: 4 f32 = 16 bytes.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
 /// The tiled kernel's form (see `blocks::dot_tiled`), from the exact lane totals.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_tiled(ty: toy_quant::GgmlType, w: &[u8], x: &[Q8K]) -> f32 {

@@ -121,6 +121,7 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
         (GgmlType::Q5_1, Form::VecDot),
         (GgmlType::IQ4NL, Form::TinyBlas),
         (GgmlType::Q4K, Form::Gemm),
+        (GgmlType::Q6K, Form::Tiled),
     ] {
         for sb in [1usize, 2, 9] {
             let k = sb * QK_K;
@@ -144,7 +145,7 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
             }
         }
     }
-    assert_eq!(checked, 48);
+    assert_eq!(checked, 60);
 }
 
 /// The 2 × 4 kernels (AVX-512 VNNI) give each output the specification's bits.
