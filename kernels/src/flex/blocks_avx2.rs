@@ -273,10 +273,17 @@ fn i8_scale_pair(sc: __m128i, i: usize) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
+    q6k_scaled_lanes(&q6k_values(b), load128(&b[192..208]), y)
+}
+
+/// A Q6_K super-block's 256 values (0..64, before the offset of 32) as eight registers of 32,
+/// in ggml's order: register `4j + t` holds values `128·j + 32·t ..`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6k_values(b: &[u8]) -> [__m256i; 8] {
     let (ql, qh) = (&b[0..128], &b[128..192]);
-    let sc = load128(&b[192..208]);
     let (m15, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
-    let mut sumi = _mm256_setzero_si256();
+    let mut q = [_mm256_setzero_si256(); 8];
     for j in 0..2 {
         let b1 = load256(&ql[64 * j..]);
         let b2 = load256(&ql[64 * j + 32..]);
@@ -286,24 +293,30 @@ fn q6k_lanes(b: &[u8], y: &Q8K) -> __m256i {
         let high2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4);
         let high4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4);
         let high6 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4);
-        let q = [
-            _mm256_or_si256(_mm256_and_si256(b1, m15), high0),
-            _mm256_or_si256(_mm256_and_si256(b2, m15), high2),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), high4),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high6),
-        ];
-        assert!(y.qs.len() >= 256);
-        for (t, q) in q.into_iter().enumerate() {
-            let s = i8_scale_pair(sc, 4 * j + t);
-            // SAFETY: 32 activations at 128·j + 32·t + 32 ≤ 256.
-            let y8 = unsafe {
-                _mm256_loadu_si256(y.qs.as_ptr().add(128 * j + 32 * t) as *const __m256i)
-            };
-            sumi = _mm256_add_epi32(sumi, scaled_lanes(q, y8, s));
-        }
+        q[4 * j] = _mm256_or_si256(_mm256_and_si256(b1, m15), high0);
+        q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15), high2);
+        q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), high4);
+        q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high6);
     }
+    q
+}
+
+/// The scaled integer lanes of a Q6_K super-block's values `q` (`q6k_values`) with its 16 i8
+/// scales `sc`, against `y`: the offset of 32 taken out per lane through the activations'
+/// 16-value sums, as ggml's AVX2 code does.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6k_scaled_lanes(q: &[__m256i; 8], sc: __m128i, y: &Q8K) -> __m256i {
+    assert!(y.qs.len() >= 256);
+    let mut sumi = _mm256_setzero_si256();
+    for (p, q) in q.iter().enumerate() {
+        // SAFETY: 32 activations at 32·p + 32 ≤ 256.
+        let y8 = unsafe { _mm256_loadu_si256(y.qs.as_ptr().add(32 * p) as *const __m256i) };
+        sumi = _mm256_add_epi32(sumi, scaled_lanes(*q, y8, i8_scale_pair(sc, p)));
+    }
+    // SAFETY: `bsums` is 16 i16 = 32 bytes.
     let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
-    let sc16 = _mm256_cvtepi8_epi16(load128(&b[192..208]));
+    let sc16 = _mm256_cvtepi8_epi16(sc);
     _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5))
 }
 
@@ -652,39 +665,13 @@ pub(super) fn dot_q6_k_tiled_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
     for xa in &x {
         assert!(xa.len() >= nb);
     }
-    let (m15, m3) = (_mm256_set1_epi8(15), _mm256_set1_epi8(3));
     let mut acc = _mm_setzero_ps();
     for (i, b) in w.chunks_exact(210).enumerate() {
-        let (ql, qh) = (&b[0..128], &b[128..192]);
+        let q = q6k_values(b);
         let sc = load128(&b[192..208]);
-        let sc16 = _mm256_cvtepi8_epi16(sc);
-        // The 256 values as eight registers of 32 (ggml's order: 128·j + 32·t).
-        let mut q = [_mm256_setzero_si256(); 8];
-        for j in 0..2 {
-            let b1 = load256(&ql[64 * j..]);
-            let b2 = load256(&ql[64 * j + 32..]);
-            let h = load256(&qh[32 * j..]);
-            let high0 = _mm256_slli_epi16(_mm256_and_si256(h, m3), 4);
-            let high2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4);
-            let high4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4);
-            let high6 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4);
-            q[4 * j] = _mm256_or_si256(_mm256_and_si256(b1, m15), high0);
-            q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15), high2);
-            q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), high4);
-            q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), high6);
-        }
         let mut lanes = [_mm256_setzero_si256(); 4];
         for a in 0..4 {
-            let y = &x[a][i];
-            let mut sumi = _mm256_setzero_si256();
-            for (p, q) in q.iter().enumerate() {
-                // SAFETY: 32 activations at 32·p + 32 ≤ 256.
-                let y8 = unsafe { _mm256_loadu_si256(y.qs.as_ptr().add(32 * p) as *const __m256i) };
-                sumi = _mm256_add_epi32(sumi, scaled_lanes(*q, y8, i8_scale_pair(sc, p)));
-            }
-            // SAFETY: `bsums` is 16 i16 = 32 bytes.
-            let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
-            lanes[a] = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5));
+            lanes[a] = q6k_scaled_lanes(&q, sc, &x[a][i]);
         }
         let totals = _mm_cvtepi32_ps(hsum4_i32_8(lanes));
         let r = _mm_mul_ps(_mm_set1_ps(f16c_at(b, 208)), totals);

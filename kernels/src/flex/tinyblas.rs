@@ -146,13 +146,15 @@ pub(super) fn matmul(
     // output (no transposed copy): disjoint elements, so the tasks share one pointer.
     let mut out = vec![0.0f32; m * n];
     let dst = OutPtr(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    let zmm = avx512::takes(elem, isa);
     (0..n.div_ceil(per_task)).into_par_iter().for_each(|t| {
         let (r0, rows) = (t * per_task, per_task.min(n - t * per_task));
         let w = &w[r0 * wrow..(r0 + rows) * wrow];
         // SAFETY: column `r0 + r` of row `i` is `i · n + r0 + r < m · n`, written by this task only.
         let o = unsafe { dst.get().add(r0) };
         #[cfg(target_arch = "x86_64")]
-        if avx512::takes(elem, isa) {
+        if zmm {
             // SAFETY: `takes` checked the CPU's AVX-512 features; the operands as below.
             unsafe { avx512::task(w, rows, x, m, k, elem, isa, o, n) };
             return;
