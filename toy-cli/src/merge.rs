@@ -27,13 +27,6 @@ pub fn run(args: MergeArgs) -> Result<()> {
         .with_context(|| format!("cannot open the base model {}", args.base.display()))?;
     let config = ModelConfig::from_gguf(&base)
         .with_context(|| format!("{} is not a model toy can read", args.base.display()))?;
-    if config.norm != toy_core::config::NormKind::Rms {
-        bail!(
-            "toy merge folds adapters into llama-family models; {} is {}",
-            args.base.display(),
-            config.architecture
-        );
-    }
     let adapter = if args.adapter.is_dir() {
         Adapter::read_peft(&args.adapter, QkLayout::of(&config))?
     } else {
@@ -50,7 +43,7 @@ pub fn run(args: MergeArgs) -> Result<()> {
                 config.architecture
             );
         }
-        Adapter::read_gguf(&file)?
+        Adapter::read_gguf(&file, &config)?
     };
     let ty = match args.ty.as_str() {
         "q8_0" => GgmlType::Q8_0,

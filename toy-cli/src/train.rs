@@ -6,7 +6,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
@@ -38,8 +38,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "GGUF")]
     pub donor: Option<PathBuf>,
     /// The base model of --recipe lora (adapters over the base, frozen, in f32), qlora (the same
-    /// with the base kept quantized: Q8_0/Q4_0/Q4_1) or full (every weight of the base trained,
-    /// in f32). Its tokenizer is the run's.
+    /// with the base kept in its GGUF blocks) or full (every weight of the base trained, in
+    /// f32): any family toy loads, gpt2 included. Its tokenizer is the run's.
     #[arg(long, value_name = "GGUF")]
     pub base: Option<PathBuf>,
     /// Model shape and optimizer settings to start from: tiny (~1 minute on 2 CPU cores) or
@@ -144,7 +144,8 @@ pub struct TrainArgs {
     /// Dropout on each adapter's input during training [default: 0].
     #[arg(long, help_heading = "LoRA (--recipe lora|qlora)")]
     pub lora_dropout: Option<f32>,
-    /// Projections that get adapters, comma-separated among q,k,v,o,gate,up,down [default: q,v].
+    /// Projections that get adapters, comma-separated among q,k,v,o,gate,up,down, or for the
+    /// fused matrices of phi3 and gpt2 qkv and gate_up (phi3) [default: q,v; qkv where fused].
     #[arg(
         long,
         value_delimiter = ',',
@@ -221,9 +222,18 @@ impl TrainArgs {
             || self.lora_targets.is_some()
     }
 
-    /// The adapters of --recipe lora/qlora: the defaults, then the flags.
-    fn lora_settings(&self) -> LoraSettings {
+    /// The adapters of --recipe lora/qlora over `base`: the defaults, then the flags. The
+    /// default targets are the attention's query and value: `q,v`, or the fused `qkv` matrix
+    /// of a base that stores one (phi3, gpt2), as PEFT's defaults for those models.
+    fn lora_settings(&self, base: &Path) -> LoraSettings {
         let mut a = LoraSettings::default();
+        let fused_qkv = toy_core::gguf::GgufFile::open(base)
+            .ok()
+            .and_then(|f| toy_core::config::ModelConfig::from_gguf(&f).ok())
+            .is_some_and(|c| c.fused_qkv || c.norm == toy_core::config::NormKind::Layer);
+        if fused_qkv {
+            a.targets = vec!["qkv".into()];
+        }
         set(&mut a.rank, self.lora_rank);
         set(&mut a.alpha, self.lora_alpha);
         set(&mut a.dropout, self.lora_dropout);
@@ -377,14 +387,15 @@ fn new_run(args: &TrainArgs) -> Result<(RunDir, TrainConfig)> {
             args.check_fine_tuning_flags()?;
             let base = absolute(base)?;
             tokenizer_file = Some(base.clone());
+            let adapter = || args.lora_settings(&base);
             match args.recipe.as_str() {
                 "lora" => Recipe::Lora {
+                    adapter: adapter(),
                     base,
-                    adapter: args.lora_settings(),
                 },
                 "qlora" => Recipe::Qlora {
+                    adapter: adapter(),
                     base,
-                    adapter: args.lora_settings(),
                 },
                 _ => Recipe::Full { base },
             }

@@ -359,10 +359,16 @@ fn llama_cpp_runs_a_toy_gpt2_checkpoint_to_the_same_greedy_tokens() {
 /// adapter — in its GGUF and in its PEFT form — and the full fine-tune, saved in the base's
 /// architecture, to the tokens `toy infer` gives on it.
 #[test]
-fn llama_cpp_runs_toy_fine_tunes_of_gemma3_and_qwen2() {
-    for family in ["gemma3", "qwen2"] {
+fn llama_cpp_runs_toy_fine_tunes_of_every_family() {
+    // phi3's adapters sit on its fused attn_qkv and gate+up ffn_up, gpt2's on attn_qkv.
+    for (family, base) in [
+        ("gemma3", "tiny-gemma3.gguf"),
+        ("qwen2", "tiny-qwen2.gguf"),
+        ("phi3", "tiny-phi3.gguf"),
+        ("gpt2", "tiny-gpt2-q8_0.gguf"),
+    ] {
         let dir = root().join("fixtures/finetune").join(family);
-        let base = root().join(format!("fixtures/models/tiny-{family}.gguf"));
+        let base = root().join("fixtures/models").join(base);
         let oracle = dir.join("lora/llamacpp_greedy.json");
         for adapter in [dir.join("lora/adapter.gguf"), dir.join("lora")] {
             let merged = scratch(&format!("merged-{family}")).join("merged.gguf");

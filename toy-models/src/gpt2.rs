@@ -20,6 +20,7 @@ use toy_kernels::{AttentionOptions, ToyBackend};
 use crate::cache::{self, KvCache, Segment};
 use crate::llama::gelu_ggml;
 use crate::load::{LoadError, dense_tensor, linear, tensor};
+use crate::lora::{Adaptable, BlockLora, Lora, LoraBlock, LoraError, Target, project};
 use crate::qlinear::QLinear;
 
 /// The shape of a GPT-2 model (its GGUF `gpt2.*` keys).
@@ -94,6 +95,7 @@ impl Gpt2Config {
                     up: linear(self.d_ff, d),
                     down: linear(d, self.d_ff),
                     n_head: self.n_head,
+                    lora: None,
                 })
                 .collect(),
             output_norm: layer_norm(),
@@ -125,6 +127,8 @@ pub struct Gpt2Block<B: Backend> {
     pub up: Linear<B>,
     pub down: Linear<B>,
     pub n_head: usize,
+    /// LoRA adapters on `qkv`, `wo`, `up`, `down` (`None`: the plain model).
+    pub lora: Option<BlockLora<B>>,
 }
 
 /// A linear layer with bias.
@@ -155,7 +159,69 @@ impl<B: Backend> LayerNorm<B> {
 
 impl<B: ToyBackend> Linear<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.weight.forward(x) + self.bias.val().unsqueeze()
+        self.forward_adapted(None, x)
+    }
+
+    /// `forward` plus an adapter's contribution (llama.cpp adds it before the bias).
+    fn forward_adapted<const D: usize>(
+        &self,
+        lora: Option<&Lora<B>>,
+        x: Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        project(&self.weight, lora, x) + self.bias.val().unsqueeze()
+    }
+}
+
+impl<B: Backend> LoraBlock<B> for Gpt2Block<B> {
+    fn adapted(&self, t: Target) -> Result<Vec<&QLinear<B>>, LoraError> {
+        Ok(vec![match t {
+            Target::Qkv => &self.qkv.weight,
+            Target::O => &self.wo.weight,
+            Target::Up => &self.up.weight,
+            Target::Down => &self.down.weight,
+            _ => return Err(no_matrix(t)),
+        }])
+    }
+
+    fn adapted_mut(&mut self, t: Target) -> Result<Vec<&mut QLinear<B>>, LoraError> {
+        Ok(vec![match t {
+            Target::Qkv => &mut self.qkv.weight,
+            Target::O => &mut self.wo.weight,
+            Target::Up => &mut self.up.weight,
+            Target::Down => &mut self.down.weight,
+            _ => return Err(no_matrix(t)),
+        }])
+    }
+
+    fn lora(&self) -> Option<&BlockLora<B>> {
+        self.lora.as_ref()
+    }
+
+    fn lora_mut(&mut self) -> &mut Option<BlockLora<B>> {
+        &mut self.lora
+    }
+}
+
+fn no_matrix(t: Target) -> LoraError {
+    LoraError::NoMatrix {
+        family: "gpt2",
+        target: t.name(),
+        targets: "qkv, o, up, down",
+    }
+}
+
+impl<B: Backend> Adaptable<B> for Gpt2<B> {
+    fn lora_blocks(&self) -> Vec<&dyn LoraBlock<B>> {
+        self.blocks.iter().map(|b| b as &dyn LoraBlock<B>).collect()
+    }
+    fn lora_blocks_mut(&mut self) -> Vec<&mut dyn LoraBlock<B>> {
+        self.blocks
+            .iter_mut()
+            .map(|b| b as &mut dyn LoraBlock<B>)
+            .collect()
+    }
+    fn lora_device(&self) -> B::Device {
+        self.output_norm.weight.device()
     }
 }
 
@@ -234,7 +300,10 @@ impl<B: ToyBackend> Gpt2Block<B> {
     ) -> Tensor<B, 3> {
         let [b, _, d] = x.dims();
         let head_dim = d / self.n_head;
-        let qkv = self.qkv.forward(self.attn_norm.forward(x.clone()));
+        let adapter = |t: Target| self.lora.as_ref().and_then(|l| l.get(t));
+        let qkv = self
+            .qkv
+            .forward_adapted(adapter(Target::Qkv), self.attn_norm.forward(x.clone()));
         let n_segments = segments.len();
         let mut outs = Vec::with_capacity(n_segments);
         for segment in segments.iter_mut() {
@@ -263,10 +332,16 @@ impl<B: ToyBackend> Gpt2Block<B> {
                 B::merge_heads(out),
             )));
         }
-        let h = self.wo.forward(cache::join(outs)) + x;
+        let h = self
+            .wo
+            .forward_adapted(adapter(Target::O), cache::join(outs))
+            + x;
+        let up = self
+            .up
+            .forward_adapted(adapter(Target::Up), self.ffn_norm.forward(h.clone()));
         let f = self
             .down
-            .forward(gelu_ggml(self.up.forward(self.ffn_norm.forward(h.clone()))));
+            .forward_adapted(adapter(Target::Down), gelu_ggml(up));
         f + h
     }
 }
@@ -337,6 +412,7 @@ pub fn load_gpt2<B: ToyBackend>(
             up: lin(&p("ffn_up"), d, c.d_ff)?,
             down: lin(&p("ffn_down"), c.d_ff, d)?,
             n_head: c.n_head,
+            lora: None,
         });
         progress(i + 2, total);
     }

@@ -18,7 +18,9 @@ use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
 
 use crate::cache::{self, KvCache, Segment};
 use crate::embedding::TokenEmbedding;
-use crate::lora::{BlockLora, Target, project};
+use crate::lora::{
+    Adaptable, BlockLora, LoraBlock, LoraError, Target, fused_deltas, project, project_with,
+};
 use crate::qlinear::QLinear;
 
 /// The shape of a llama-family model.
@@ -674,13 +676,17 @@ impl<B: ToyBackend> Attention<B> {
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let adapter = |target: Target| lora.and_then(|l| l.get(target));
+        // A fused Q|K|V adapter (phi3) gives each projection its rows.
+        let outs = [&self.wq, &self.wk, &self.wv].map(|w| w.dims()[0]);
+        let mut fused = fused_deltas(adapter(Target::Qkv), &x, &outs).into_iter();
         // Project (+ bias, + norm) every row at once; the norms are per token (or per head).
         let project_normed = |w: &QLinear<B>,
                               adapter,
+                              delta,
                               bias: &Option<Param<Tensor<B, 1>>>,
                               norm: &Option<RmsNorm<B>>,
                               n: usize| {
-            let mut y = project(w, adapter, x.clone());
+            let mut y = project_with(w, adapter, delta, x.clone());
             if let Some(bias) = bias {
                 y = y + bias.val().unsqueeze::<3>();
             }
@@ -700,6 +706,7 @@ impl<B: ToyBackend> Attention<B> {
         let q_all = project_normed(
             &self.wq,
             adapter(Target::Q),
+            fused.next().flatten(),
             &self.bq,
             &self.q_norm,
             self.n_head,
@@ -707,6 +714,7 @@ impl<B: ToyBackend> Attention<B> {
         let k_all = project_normed(
             &self.wk,
             adapter(Target::K),
+            fused.next().flatten(),
             &self.bk,
             &self.k_norm,
             self.n_head_kv,
@@ -714,6 +722,7 @@ impl<B: ToyBackend> Attention<B> {
         let v_all = project_normed(
             &self.wv,
             adapter(Target::V),
+            fused.next().flatten(),
             &self.bv,
             &None,
             self.n_head_kv,
@@ -785,6 +794,93 @@ impl<B: ToyBackend> Attention<B> {
     }
 }
 
+impl<B: Backend> Block<B> {
+    /// The weight of projection `t`; `None` for a fused target (the model keeps the parts
+    /// apart) and for the MLP of a mixture of experts.
+    pub fn projection(&self, t: Target) -> Option<&QLinear<B>> {
+        let mlp = match &self.ffn {
+            Ffn::Dense(mlp) => Some(mlp),
+            Ffn::Moe(_) => None,
+        };
+        match t {
+            Target::Q => Some(&self.attn.wq),
+            Target::K => Some(&self.attn.wk),
+            Target::V => Some(&self.attn.wv),
+            Target::O => Some(&self.attn.wo),
+            Target::Gate => mlp.map(|m| &m.gate),
+            Target::Up => mlp.map(|m| &m.up),
+            Target::Down => mlp.map(|m| &m.down),
+            Target::Qkv | Target::GateUp => None,
+        }
+    }
+
+    /// The weight of projection `t`, to replace it (see [`Self::projection`]).
+    pub fn projection_mut(&mut self, t: Target) -> Option<&mut QLinear<B>> {
+        let mlp = match &mut self.ffn {
+            Ffn::Dense(mlp) => Some(mlp),
+            Ffn::Moe(_) => None,
+        };
+        match t {
+            Target::Q => Some(&mut self.attn.wq),
+            Target::K => Some(&mut self.attn.wk),
+            Target::V => Some(&mut self.attn.wv),
+            Target::O => Some(&mut self.attn.wo),
+            Target::Gate => mlp.map(|m| &mut m.gate),
+            Target::Up => mlp.map(|m| &mut m.up),
+            Target::Down => mlp.map(|m| &mut m.down),
+            Target::Qkv | Target::GateUp => None,
+        }
+    }
+}
+
+impl<B: Backend> LoraBlock<B> for Block<B> {
+    fn adapted(&self, t: Target) -> Result<Vec<&QLinear<B>>, LoraError> {
+        let a = &self.attn;
+        match (t, &self.ffn) {
+            (Target::Qkv, _) => Ok(vec![&a.wq, &a.wk, &a.wv]),
+            (Target::GateUp, Ffn::Dense(m)) => Ok(vec![&m.gate, &m.up]),
+            _ => Ok(vec![self.projection(t).ok_or(LoraError::Moe)?]),
+        }
+    }
+
+    fn adapted_mut(&mut self, t: Target) -> Result<Vec<&mut QLinear<B>>, LoraError> {
+        match t {
+            Target::Qkv => {
+                let a = &mut self.attn;
+                Ok(vec![&mut a.wq, &mut a.wk, &mut a.wv])
+            }
+            Target::GateUp => match &mut self.ffn {
+                Ffn::Dense(m) => Ok(vec![&mut m.gate, &mut m.up]),
+                Ffn::Moe(_) => Err(LoraError::Moe),
+            },
+            _ => Ok(vec![self.projection_mut(t).ok_or(LoraError::Moe)?]),
+        }
+    }
+
+    fn lora(&self) -> Option<&BlockLora<B>> {
+        self.lora.as_ref()
+    }
+
+    fn lora_mut(&mut self) -> &mut Option<BlockLora<B>> {
+        &mut self.lora
+    }
+}
+
+impl<B: Backend> Adaptable<B> for Transformer<B> {
+    fn lora_blocks(&self) -> Vec<&dyn LoraBlock<B>> {
+        self.blocks.iter().map(|b| b as &dyn LoraBlock<B>).collect()
+    }
+    fn lora_blocks_mut(&mut self) -> Vec<&mut dyn LoraBlock<B>> {
+        self.blocks
+            .iter_mut()
+            .map(|b| b as &mut dyn LoraBlock<B>)
+            .collect()
+    }
+    fn lora_device(&self) -> B::Device {
+        self.output_norm.gamma.device()
+    }
+}
+
 impl<B: ToyBackend> Mlp<B> {
     fn forward<const D: usize>(
         &self,
@@ -792,8 +888,13 @@ impl<B: ToyBackend> Mlp<B> {
         lora: Option<&BlockLora<B>>,
     ) -> Tensor<B, D> {
         let adapter = |target: Target| lora.and_then(|l| l.get(target));
-        let gate = project(&self.gate, adapter(Target::Gate), x.clone());
-        let up = project(&self.up, adapter(Target::Up), x);
+        // A fused gate|up adapter (phi3) gives each its rows.
+        let outs = [self.gate.dims()[0], self.up.dims()[0]];
+        let [gate_delta, up_delta]: [_; 2] = fused_deltas(adapter(Target::GateUp), &x, &outs)
+            .try_into()
+            .expect("two parts");
+        let gate = project_with(&self.gate, adapter(Target::Gate), gate_delta, x.clone());
+        let up = project_with(&self.up, adapter(Target::Up), up_delta, x);
         let h = if self.gelu {
             gelu_ggml(gate) * up
         } else {
@@ -802,7 +903,7 @@ impl<B: ToyBackend> Mlp<B> {
                 up.into_primitive().tensor(),
             )))
         };
-        project(&self.down, adapter(Target::Down), h)
+        project_with(&self.down, adapter(Target::Down), None, h)
     }
 }
 

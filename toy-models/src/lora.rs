@@ -1,9 +1,14 @@
-//! LoRA adapters for the llama-family model: `y = W·x + (alpha/r) · B·A·dropout(x)` on any of the
-//! projections q, k, v, o, gate, up, down, with `A: [r, in]` and `B: [out, r]` (PEFT's shapes).
+//! LoRA adapters: `y = W·x + (alpha/r) · B·A·dropout(x)` on a model's projections, with
+//! `A: [r, in]` and `B: [out, r]` (PEFT's shapes). The llama family takes them on q, k, v, o,
+//! gate, up and down, or — where the file stores them fused, as phi3 does — on the fused
+//! `qkv` and `gate_up` matrices; GPT-2 on `qkv` (`c_attn`), o, up and down. A fused adapter is
+//! one `A` and one `B` over the whole fused output, as llama.cpp and PEFT see that matrix; the
+//! model, which keeps the parts apart, adds each part its rows of `B·A·x`.
 //!
-//! A block carries its adapters in `Block::lora`; without them (`None`, what loading and `init`
-//! give) the model runs exactly the code it runs without this module. The base weights are not
-//! touched: training freezes them (see `toy_train`), so only `A` and `B` get gradients.
+//! A block carries its adapters in its `lora` field ([`LoraBlock`]); without them (`None`, what
+//! loading and `init` give) the model runs exactly the code it runs without this module. The
+//! base weights are not touched: training freezes them (see `toy_train`), so only `A` and `B`
+//! get gradients.
 //!
 //! The model computes in the GGUF `llama` orientation, where the HF→GGUF converter permuted the
 //! rows of Q and K for interleaved RoPE; `B` of q and k therefore has its rows in that order too
@@ -16,7 +21,6 @@ use burn::tensor::{Tensor, TensorData};
 use toy_core::rng::SplitMix64;
 use toy_kernels::ToyBackend;
 
-use crate::llama::{Block, Ffn, Transformer};
 use crate::qlinear::{QLinear, dense_linear};
 
 /// A projection an adapter can sit on.
@@ -29,10 +33,27 @@ pub enum Target {
     Gate,
     Up,
     Down,
+    /// Q, K and V stored as one matrix (phi3's `attn_qkv`, GPT-2's `c_attn`).
+    Qkv,
+    /// Gate and up stored as one matrix (phi3's `ffn_up`).
+    GateUp,
 }
 
 impl Target {
-    pub const ALL: [Target; 7] = [
+    pub const ALL: [Target; 9] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+        Target::Qkv,
+        Target::GateUp,
+    ];
+
+    /// The targets of a model that stores every projection apart (llama, qwen2, gemma, ...).
+    pub const SEPARATE: [Target; 7] = [
         Target::Q,
         Target::K,
         Target::V,
@@ -52,6 +73,8 @@ impl Target {
             Target::Gate => "gate",
             Target::Up => "up",
             Target::Down => "down",
+            Target::Qkv => "qkv",
+            Target::GateUp => "gate_up",
         }
     }
 
@@ -59,7 +82,8 @@ impl Target {
         Self::ALL.into_iter().find(|t| t.name() == name)
     }
 
-    /// The Hugging Face module path inside a decoder layer (`self_attn.q_proj`, `mlp.up_proj`).
+    /// The Hugging Face module path inside a llama-family decoder layer (`self_attn.q_proj`,
+    /// `mlp.up_proj`; phi3's fused `self_attn.qkv_proj`, `mlp.gate_up_proj`).
     pub fn hf_module(self) -> &'static str {
         match self {
             Target::Q => "self_attn.q_proj",
@@ -69,6 +93,21 @@ impl Target {
             Target::Gate => "mlp.gate_proj",
             Target::Up => "mlp.up_proj",
             Target::Down => "mlp.down_proj",
+            Target::Qkv => "self_attn.qkv_proj",
+            Target::GateUp => "mlp.gate_up_proj",
+        }
+    }
+
+    /// The module path inside a GPT-2 block (`transformer.h.N.`), `None` for a target GPT-2
+    /// does not have. Its `c_attn`, `c_fc` and `c_proj` are `Conv1D`s (PEFT: `fan_in_fan_out`),
+    /// but `lora_A`/`lora_B` have the same `[r, in]`/`[out, r]` shapes as on a `Linear`.
+    pub fn gpt2_module(self) -> Option<&'static str> {
+        match self {
+            Target::Qkv => Some("attn.c_attn"),
+            Target::O => Some("attn.c_proj"),
+            Target::Up => Some("mlp.c_fc"),
+            Target::Down => Some("mlp.c_proj"),
+            _ => None,
         }
     }
 
@@ -82,6 +121,9 @@ impl Target {
             Target::Gate => "ffn_gate",
             Target::Up => "ffn_up",
             Target::Down => "ffn_down",
+            Target::Qkv => "attn_qkv",
+            // phi3 names its fused gate+up matrix as others name up.
+            Target::GateUp => "ffn_up",
         }
     }
 }
@@ -160,6 +202,8 @@ pub struct BlockLora<B: Backend> {
     pub gate: Option<Lora<B>>,
     pub up: Option<Lora<B>>,
     pub down: Option<Lora<B>>,
+    pub qkv: Option<Lora<B>>,
+    pub gate_up: Option<Lora<B>>,
 }
 
 impl<B: Backend> BlockLora<B> {
@@ -173,6 +217,8 @@ impl<B: Backend> BlockLora<B> {
             gate: None,
             up: None,
             down: None,
+            qkv: None,
+            gate_up: None,
         }
     }
 
@@ -185,6 +231,8 @@ impl<B: Backend> BlockLora<B> {
             Target::Gate => self.gate.as_ref(),
             Target::Up => self.up.as_ref(),
             Target::Down => self.down.as_ref(),
+            Target::Qkv => self.qkv.as_ref(),
+            Target::GateUp => self.gate_up.as_ref(),
         }
     }
 
@@ -198,6 +246,8 @@ impl<B: Backend> BlockLora<B> {
             Target::Gate => &mut self.gate,
             Target::Up => &mut self.up,
             Target::Down => &mut self.down,
+            Target::Qkv => &mut self.qkv,
+            Target::GateUp => &mut self.gate_up,
         }
     }
 }
@@ -227,61 +277,95 @@ pub enum LoraError {
     ZeroRank,
     #[error("the adapters have {found} blocks, the model {expected}")]
     Blocks { expected: usize, found: usize },
+    #[error("{family} has no {target} matrix to adapt: its LoRA targets are {targets}")]
+    NoMatrix {
+        family: &'static str,
+        target: &'static str,
+        targets: &'static str,
+    },
 }
 
-/// The weight `target` sits on in `block`; `None` for the MLP of a mixture of experts.
-pub fn projection<B: Backend>(block: &Block<B>, t: Target) -> Option<&QLinear<B>> {
-    let mlp = match &block.ffn {
-        Ffn::Dense(mlp) => Some(mlp),
-        Ffn::Moe(_) => None,
-    };
-    match t {
-        Target::Q => Some(&block.attn.wq),
-        Target::K => Some(&block.attn.wk),
-        Target::V => Some(&block.attn.wv),
-        Target::O => Some(&block.attn.wo),
-        Target::Gate => mlp.map(|m| &m.gate),
-        Target::Up => mlp.map(|m| &m.up),
-        Target::Down => mlp.map(|m| &m.down),
+/// A block whose projections can carry adapters (the llama family's and GPT-2's).
+pub trait LoraBlock<B: Backend> {
+    /// The matrices an adapter on `t` adds to, in the order of their rows in the adapter's
+    /// output: one, or the parts of a fused matrix (Q, K, V; gate, up).
+    fn adapted(&self, t: Target) -> Result<Vec<&QLinear<B>>, LoraError>;
+    /// The same, to replace them (merging).
+    fn adapted_mut(&mut self, t: Target) -> Result<Vec<&mut QLinear<B>>, LoraError>;
+    fn lora(&self) -> Option<&BlockLora<B>>;
+    fn lora_mut(&mut self) -> &mut Option<BlockLora<B>>;
+}
+
+/// A model made of [`LoraBlock`]s.
+pub trait Adaptable<B: Backend> {
+    fn lora_blocks(&self) -> Vec<&dyn LoraBlock<B>>;
+    fn lora_blocks_mut(&mut self) -> Vec<&mut dyn LoraBlock<B>>;
+    fn lora_device(&self) -> B::Device;
+}
+
+/// `[out, in]` of what an adapter on `t` adapts in `block` (a fused target's parts stacked).
+pub fn target_dims<B: Backend>(
+    block: &dyn LoraBlock<B>,
+    t: Target,
+) -> Result<[usize; 2], LoraError> {
+    let parts = block.adapted(t)?;
+    let inp = parts.first().ok_or(LoraError::Moe)?.dims()[1];
+    Ok([parts.iter().map(|w| w.dims()[0]).sum(), inp])
+}
+
+/// `w·x` plus `delta` (a fused adapter's rows for this part), or plus the adapter `lora`'s
+/// contribution. Without either this is exactly `w.forward(x)`.
+pub fn project_with<B: ToyBackend, const D: usize>(
+    w: &QLinear<B>,
+    lora: Option<&Lora<B>>,
+    delta: Option<Tensor<B, D>>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let y = project(w, lora, x);
+    match delta {
+        Some(d) => y + d,
+        None => y,
     }
 }
 
-/// The weight `target` sits on in `block`, to replace it; `None` for a mixture's MLP.
-pub fn projection_mut<B: Backend>(block: &mut Block<B>, t: Target) -> Option<&mut QLinear<B>> {
-    let mlp = match &mut block.ffn {
-        Ffn::Dense(mlp) => Some(mlp),
-        Ffn::Moe(_) => None,
+/// A fused adapter's contribution for `x`, cut into its parts' rows (`outs`): `None` for each
+/// part when there is no adapter.
+pub fn fused_deltas<B: ToyBackend, const D: usize>(
+    lora: Option<&Lora<B>>,
+    x: &Tensor<B, D>,
+    outs: &[usize],
+) -> Vec<Option<Tensor<B, D>>> {
+    let Some(l) = lora else {
+        return vec![None; outs.len()];
     };
-    match t {
-        Target::Q => Some(&mut block.attn.wq),
-        Target::K => Some(&mut block.attn.wk),
-        Target::V => Some(&mut block.attn.wv),
-        Target::O => Some(&mut block.attn.wo),
-        Target::Gate => mlp.map(|m| &mut m.gate),
-        Target::Up => mlp.map(|m| &mut m.up),
-        Target::Down => mlp.map(|m| &mut m.down),
-    }
+    let delta = l.forward(x.clone());
+    let mut start = 0;
+    outs.iter()
+        .map(|&n| {
+            let part = delta.clone().narrow(D - 1, start, n);
+            start += n;
+            Some(part)
+        })
+        .collect()
 }
 
 /// Fresh adapters for `model`: `A` from `draw_a(layer, target, [r, in])` (row-major values),
 /// `B` zero.
-pub fn new_adapters<B: Backend>(
-    model: &Transformer<B>,
+pub fn new_adapters<B: Backend, M: Adaptable<B>>(
+    model: &M,
     spec: &LoraSpec,
     mut draw_a: impl FnMut(usize, Target, [usize; 2]) -> Vec<f32>,
 ) -> Result<LoraAdapters<B>, LoraError> {
     if spec.rank == 0 {
         return Err(LoraError::ZeroRank);
     }
-    let device = model.output_norm.gamma.device();
+    let device = model.lora_device();
     let scale = spec.alpha / spec.rank as f32;
-    let mut blocks = Vec::with_capacity(model.blocks.len());
-    for layer in 0..model.blocks.len() {
+    let mut blocks = Vec::new();
+    for (layer, model_block) in model.lora_blocks().iter().enumerate() {
         let mut block = BlockLora::empty();
         for &t in &spec.targets {
-            let [out, inp] = projection(&model.blocks[layer], t)
-                .ok_or(LoraError::Moe)?
-                .dims();
+            let [out, inp] = target_dims(*model_block, t)?;
             let a = draw_a(layer, t, [spec.rank, inp]);
             *block.slot(t) = Some(Lora {
                 a: Param::from_tensor(Tensor::from_data(
@@ -300,37 +384,38 @@ pub fn new_adapters<B: Backend>(
 }
 
 /// Put `adapters` into `model` (replacing any it had).
-pub fn install<B: Backend>(
-    mut model: Transformer<B>,
+pub fn install<B: Backend, M: Adaptable<B>>(
+    mut model: M,
     adapters: LoraAdapters<B>,
-) -> Result<Transformer<B>, LoraError> {
-    if adapters.blocks.len() != model.blocks.len() {
+) -> Result<M, LoraError> {
+    let expected = model.lora_blocks().len();
+    if adapters.blocks.len() != expected {
         return Err(LoraError::Blocks {
-            expected: model.blocks.len(),
+            expected,
             found: adapters.blocks.len(),
         });
     }
-    for (block, lora) in model.blocks.iter_mut().zip(adapters.blocks) {
-        block.lora = Some(lora);
+    for (block, lora) in model.lora_blocks_mut().into_iter().zip(adapters.blocks) {
+        *block.lora_mut() = Some(lora);
     }
     Ok(model)
 }
 
 /// A copy of the adapters of `model` (blocks without adapters give empty ones).
-pub fn adapters<B: Backend>(model: &Transformer<B>) -> LoraAdapters<B> {
+pub fn adapters<B: Backend, M: Adaptable<B>>(model: &M) -> LoraAdapters<B> {
     LoraAdapters {
         blocks: model
-            .blocks
+            .lora_blocks()
             .iter()
-            .map(|b| b.lora.clone().unwrap_or_else(BlockLora::empty))
+            .map(|b| b.lora().cloned().unwrap_or_else(BlockLora::empty))
             .collect(),
     }
 }
 
 /// Set the dropout seed of every adapter from `seed` (each adapter its own stream).
-pub fn set_dropout_seed<B: Backend>(model: &mut Transformer<B>, seed: u64) {
-    for (layer, block) in model.blocks.iter_mut().enumerate() {
-        if let Some(lora) = &mut block.lora {
+pub fn set_dropout_seed<B: Backend, M: Adaptable<B>>(model: &mut M, seed: u64) {
+    for (layer, block) in model.lora_blocks_mut().into_iter().enumerate() {
+        if let Some(lora) = block.lora_mut() {
             for t in Target::ALL {
                 if let Some(l) = lora.slot(t) {
                     let stream =
@@ -343,9 +428,9 @@ pub fn set_dropout_seed<B: Backend>(model: &mut Transformer<B>, seed: u64) {
 }
 
 /// Whether any adapter of `model` uses dropout.
-pub fn has_dropout<B: Backend>(model: &Transformer<B>) -> bool {
-    model.blocks.iter().any(|b| {
-        b.lora.as_ref().is_some_and(|l| {
+pub fn has_dropout<B: Backend, M: Adaptable<B>>(model: &M) -> bool {
+    model.lora_blocks().iter().any(|b| {
+        b.lora().is_some_and(|l| {
             Target::ALL
                 .iter()
                 .any(|&t| l.get(t).is_some_and(|a| a.dropout > 0.0))
@@ -354,9 +439,9 @@ pub fn has_dropout<B: Backend>(model: &Transformer<B>) -> bool {
 }
 
 /// Move every adapter's dropout seed to its `k`-th next stream (micro-batch `k` of a step).
-pub fn advance_dropout<B: Backend>(model: &mut Transformer<B>, k: u64) {
-    for block in model.blocks.iter_mut() {
-        if let Some(lora) = &mut block.lora {
+pub fn advance_dropout<B: Backend, M: Adaptable<B>>(model: &mut M, k: u64) {
+    for block in model.lora_blocks_mut() {
+        if let Some(lora) = block.lora_mut() {
             for t in Target::ALL {
                 if let Some(l) = lora.slot(t) {
                     let s = l.dropout_seed ^ k.wrapping_mul(0xA24B_AED4_963E_E407);
@@ -367,20 +452,28 @@ pub fn advance_dropout<B: Backend>(model: &mut Transformer<B>, k: u64) {
     }
 }
 
-/// Fold every adapter into its base weight (`W + scale·B·A`) and drop the adapters. The base
-/// projections must be float (`QLinear::Dense`); quantized ones are left as they are and
-/// reported as an error by the caller's saver.
-pub fn merge<B: ToyBackend>(mut model: Transformer<B>) -> Transformer<B> {
-    for block in model.blocks.iter_mut() {
-        let Some(lora) = block.lora.take() else {
+/// Fold every adapter into its base weight (`W + scale·B·A`, a fused adapter's rows to each
+/// part) and drop the adapters. The base projections must be float (`QLinear::Dense`);
+/// quantized ones are left as they are and reported as an error by the caller's saver.
+pub fn merge<B: ToyBackend, M: Adaptable<B>>(mut model: M) -> M {
+    for block in model.lora_blocks_mut() {
+        let Some(lora) = block.lora_mut().take() else {
             continue;
         };
         for t in Target::ALL {
-            let (Some(l), Some(w)) = (lora.get(t), projection_mut(block, t)) else {
+            let Some(l) = lora.get(t) else { continue };
+            let Ok(parts) = block.adapted_mut(t) else {
                 continue;
             };
-            if let QLinear::Dense(p) = w {
-                *w = QLinear::Dense(Param::from_tensor(p.val() + l.delta_weight()));
+            let delta = l.delta_weight();
+            let mut start = 0;
+            for w in parts {
+                let out = w.dims()[0];
+                if let QLinear::Dense(p) = w {
+                    let part = delta.clone().narrow(0, start, out);
+                    *w = QLinear::Dense(Param::from_tensor(p.val() + part));
+                }
+                start += out;
             }
         }
     }

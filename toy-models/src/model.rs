@@ -12,6 +12,7 @@ use crate::cache::{self, KvCache};
 use crate::gpt2::{Gpt2, load_gpt2};
 use crate::llama::Transformer;
 use crate::load::{LoadError, load};
+use crate::lora::{Adaptable, LoraBlock};
 
 /// A causal language model with a KV cache.
 pub trait CausalLm<B: ToyBackend> {
@@ -176,4 +177,25 @@ pub fn load_model<B: ToyBackend>(
     }
     let (config, model) = load(file, device, &mut progress)?;
     Ok((config, Model::Llama(model)))
+}
+
+impl<B: Backend> Adaptable<B> for Model<B> {
+    fn lora_blocks(&self) -> Vec<&dyn LoraBlock<B>> {
+        match self {
+            Model::Llama(m) => m.lora_blocks(),
+            Model::Gpt2(m) => m.lora_blocks(),
+        }
+    }
+    fn lora_blocks_mut(&mut self) -> Vec<&mut dyn LoraBlock<B>> {
+        match self {
+            Model::Llama(m) => m.lora_blocks_mut(),
+            Model::Gpt2(m) => m.lora_blocks_mut(),
+        }
+    }
+    fn lora_device(&self) -> B::Device {
+        match self {
+            Model::Llama(m) => m.lora_device(),
+            Model::Gpt2(m) => m.lora_device(),
+        }
+    }
 }

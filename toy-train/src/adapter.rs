@@ -6,12 +6,17 @@
 //! - PEFT: `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` `[r, in]` and
 //!   `…lora_B.weight` `[out, r]`, in the HF orientation: the rows of q's and k's `B` are in HF's
 //!   half-split order, the inverse of the permutation the HF→GGUF converter applies to Q/K.
+//!   phi3's fused projections are `self_attn.qkv_proj` and `mlp.gate_up_proj`; GPT-2's modules
+//!   are `base_model.model.transformer.h.N.{attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj}`
+//!   (`Conv1D`s: `fan_in_fan_out` in the config, the same `A`/`B` shapes).
 //! - GGUF: `general.architecture` = the base's, `general.type = adapter`, `adapter.type = lora`,
 //!   `adapter.lora.alpha`; tensors `blk.N.attn_q.weight.lora_a` with ggml dims `[in, r]` and
 //!   `…lora_b` with dims `[r, out]` (the same row-major bytes as PEFT's `[r, in]` and
 //!   `[out, r]`), in the GGUF orientation (Q/K rows permuted for interleaved RoPE, as the base's
 //!   `attn_q`/`attn_k`; see [`QkLayout`]). llama.cpp adds `(alpha / r) · B·(A·x)` to the
-//!   projection (`llm_graph_context::build_lora_mm`).
+//!   projection (`llm_graph_context::build_lora_mm`). A fused matrix has one adapter under its
+//!   own name (`attn_qkv`; phi3's gate+up is `ffn_up`, which names `up` elsewhere: reading a
+//!   GGUF adapter takes the base's config to tell them apart).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -21,8 +26,7 @@ use burn::tensor::{bf16, f16};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value, convert, tensor_to_f32};
-use toy_models::Transformer;
-use toy_models::lora::{Target, permute_rows_to_gguf, permute_rows_to_hf};
+use toy_models::lora::{Adaptable, Target, permute_rows_to_gguf, permute_rows_to_hf};
 
 use crate::TrainError;
 use crate::checkpoint::write_atomic;
@@ -82,14 +86,14 @@ fn host<B: Backend>(t: burn::tensor::Tensor<B, 2>) -> Result<Vec<f32>, TrainErro
 impl Adapter {
     /// The adapters `model` carries (its blocks' `lora`).
     pub fn from_model<B: Backend>(
-        model: &Transformer<B>,
+        model: &impl Adaptable<B>,
         alpha: f32,
         dropout: f32,
     ) -> Result<Self, TrainError> {
         let mut tensors = Vec::new();
         let mut rank = 0;
-        for (layer, block) in model.blocks.iter().enumerate() {
-            let Some(lora) = &block.lora else { continue };
+        for (layer, block) in model.lora_blocks().into_iter().enumerate() {
+            let Some(lora) = block.lora() else { continue };
             for target in Target::ALL {
                 let Some(l) = lora.get(target) else { continue };
                 let [r, inp] = l.a.dims();
@@ -156,12 +160,17 @@ impl Adapter {
         Ok(w)
     }
 
-    /// PEFT's `adapter_config.json`.
-    pub fn peft_config(&self, base_name: &str) -> serde_json::Value {
+    /// PEFT's `adapter_config.json` for a base of architecture `arch`.
+    pub fn peft_config(&self, base_name: &str, arch: &str) -> serde_json::Value {
+        let gpt2 = arch == "gpt2";
         let modules: Vec<String> = self
             .targets()
             .iter()
-            .map(|t| t.hf_module().rsplit('.').next().unwrap_or("").to_string())
+            .map(|&t| match t.gpt2_module() {
+                // GPT-2's attention and MLP both have a `c_proj`: the path tells them apart.
+                Some(m) if gpt2 => m.to_string(),
+                _ => t.hf_module().rsplit('.').next().unwrap_or("").to_string(),
+            })
             .collect();
         serde_json::json!({
             "peft_type": "LORA",
@@ -172,7 +181,7 @@ impl Adapter {
             "lora_dropout": self.dropout,
             "target_modules": modules,
             "bias": "none",
-            "fan_in_fan_out": false,
+            "fan_in_fan_out": gpt2,
             "inference_mode": true,
             "init_lora_weights": true,
             "modules_to_save": null,
@@ -185,15 +194,11 @@ impl Adapter {
 
     /// PEFT's `adapter_model.safetensors` (F32, HF orientation, `{"format": "pt"}` metadata
     /// as torch writes).
-    pub fn peft_safetensors(&self, layout: QkLayout) -> Result<Vec<u8>, TrainError> {
+    pub fn peft_safetensors(&self, layout: QkLayout, arch: &str) -> Result<Vec<u8>, TrainError> {
         let mut entries: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         for t in &self.tensors {
-            let stem = format!(
-                "base_model.model.model.layers.{}.{}",
-                t.layer,
-                t.target.hf_module()
-            );
+            let stem = peft_stem(arch, t.layer, t.target)?;
             entries.push((
                 format!("{stem}.lora_A.weight"),
                 vec![t.rank, t.inp],
@@ -226,10 +231,10 @@ impl Adapter {
         base_name: &str,
         name: &str,
     ) -> Result<u64, TrainError> {
-        let config = serde_json::to_vec_pretty(&self.peft_config(base_name))
+        let config = serde_json::to_vec_pretty(&self.peft_config(base_name, arch))
             .expect("adapter config serializes");
         write_atomic(&dir.join("adapter_config.json"), &config)?;
-        let st = self.peft_safetensors(layout)?;
+        let st = self.peft_safetensors(layout, arch)?;
         write_atomic(&dir.join("adapter_model.safetensors"), &st)?;
         let gguf = self
             .to_gguf(name, arch)?
@@ -238,8 +243,12 @@ impl Adapter {
         Ok(config.len() as u64 + st.len() as u64 + gguf)
     }
 
-    /// Read a GGUF LoRA adapter.
-    pub fn read_gguf(file: &GgufFile) -> Result<Self, TrainError> {
+    /// Read a GGUF LoRA adapter for a base of config `base` (whose `ffn_up` may be phi3's
+    /// fused gate+up).
+    pub fn read_gguf(
+        file: &GgufFile,
+        base: &toy_core::config::ModelConfig,
+    ) -> Result<Self, TrainError> {
         let bad = |what: String| TrainError::Config(what);
         if file.get_str("general.type").ok().flatten() != Some("adapter")
             || file.get_str("adapter.type").ok().flatten() != Some("lora")
@@ -267,12 +276,15 @@ impl Adapter {
             };
             let parsed = stem.strip_prefix("blk.").and_then(|rest| {
                 let (n, t) = rest.split_once('.')?;
-                let target = Target::ALL.into_iter().find(|x| x.gguf_name() == t)?;
+                let target = match Target::ALL.into_iter().find(|x| x.gguf_name() == t)? {
+                    Target::Up if base.fused_gate_up => Target::GateUp,
+                    target => target,
+                };
                 Some((n.parse::<usize>().ok()?, target))
             });
             let Some(key) = parsed else {
                 return Err(bad(format!(
-                    "adapter tensor {name}: only blk.N.{{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down}} are supported"
+                    "adapter tensor {name}: only blk.N.{{attn_q,attn_k,attn_v,attn_qkv,attn_output,ffn_gate,ffn_up,ffn_down}} are supported"
                 )));
             };
             if info.dims.len() != 2 {
@@ -366,12 +378,24 @@ impl Adapter {
             let Some(stem) = name.strip_suffix(".lora_A.weight") else {
                 continue;
             };
+            let llama = |rest: &str| {
+                let (n, module) = rest.split_once('.')?;
+                let target = Target::ALL.into_iter().find(|t| t.hf_module() == module)?;
+                Some((n.parse::<usize>().ok()?, target))
+            };
+            let gpt2 = |rest: &str| {
+                let (n, module) = rest.split_once('.')?;
+                let target = Target::ALL
+                    .into_iter()
+                    .find(|t| t.gpt2_module() == Some(module))?;
+                Some((n.parse::<usize>().ok()?, target))
+            };
             let parsed = stem
                 .strip_prefix("base_model.model.model.layers.")
-                .and_then(|rest| {
-                    let (n, module) = rest.split_once('.')?;
-                    let target = Target::ALL.into_iter().find(|t| t.hf_module() == module)?;
-                    Some((n.parse::<usize>().ok()?, target))
+                .and_then(llama)
+                .or_else(|| {
+                    stem.strip_prefix("base_model.model.transformer.h.")
+                        .and_then(gpt2)
                 })
                 .ok_or_else(|| TrainError::Config(format!("unsupported PEFT tensor {name}")))?;
             let (bshape, b) = tensors
@@ -404,6 +428,20 @@ impl Adapter {
             tensors: out,
         })
     }
+}
+
+/// The PEFT module path of `target` in block `layer` of a base of architecture `arch`.
+fn peft_stem(arch: &str, layer: usize, target: Target) -> Result<String, TrainError> {
+    if arch == "gpt2" {
+        let module = target.gpt2_module().ok_or_else(|| {
+            TrainError::Config(format!("gpt2 has no {} projection", target.name()))
+        })?;
+        return Ok(format!("base_model.model.transformer.h.{layer}.{module}"));
+    }
+    Ok(format!(
+        "base_model.model.model.layers.{layer}.{}",
+        target.hf_module()
+    ))
 }
 
 type HostTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;

@@ -398,7 +398,7 @@ impl LoraSettings {
         for name in &self.targets {
             let t = toy_models::lora::Target::from_name(name).ok_or_else(|| {
                 TrainError::Config(format!(
-                    "unknown LoRA target {name:?} (available: q, k, v, o, gate, up, down)"
+                    "unknown LoRA target {name:?} (available: q, k, v, o, gate, up, down; qkv and gate_up for fused matrices: phi3, gpt2's qkv)"
                 ))
             })?;
             if !targets.contains(&t) {

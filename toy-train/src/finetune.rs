@@ -1,6 +1,6 @@
 //! The fine-tuning recipes' starting models: `lora` (adapters over a frozen f32 base), `qlora`
-//! (adapters over a frozen base whose Q8_0/Q4_0/Q4_1 weights stay packed) and `full` (every
-//! weight of the base trainable, in f32).
+//! (adapters over a frozen base whose packed weights stay packed) and `full` (every weight of
+//! the base trainable, in f32). Every family toy loads is a base: the llama family and GPT-2.
 //!
 //! Freezing: every float parameter of the base is marked `require_grad = false`, so autodiff
 //! tracks none of them; gradients flow through them to the activations (the quantized matmuls'
@@ -16,16 +16,18 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use toy_core::config::ModelConfig;
+use toy_core::config::NormKind;
 use toy_core::gguf::GgufFile;
 use toy_kernels::ToyBackend;
 use toy_models::llama::Ffn;
-use toy_models::lora::{Target, install, new_adapters, projection_mut};
-use toy_models::{LlamaConfig, Transformer};
+use toy_models::lora::{Adaptable, Target, install, new_adapters};
+use toy_models::{Gpt2Config, LlamaConfig, Model};
 
 use crate::TrainError;
 use crate::adapter::QkLayout;
 use crate::config::{Recipe, TrainConfig};
 use crate::init::normals;
+use crate::model::ModelSpec;
 use toy_core::rng::SplitMix64;
 
 /// The base of a fine-tuning run: its path, file and config.
@@ -52,14 +54,18 @@ impl Base {
         })
     }
 
-    /// The llama config of the model trained from this base (`full` unties the output head:
-    /// it trains apart from the embedding and is saved as `output.weight`).
-    pub fn llama_config(&self, recipe: &Recipe) -> LlamaConfig {
+    /// The architecture and shape of the model trained from this base (`full` unties a llama
+    /// output head: it trains apart from the embedding and is saved as `output.weight`; GPT-2's
+    /// loaded head is always its own matrix).
+    pub fn spec(&self, recipe: &Recipe) -> ModelSpec {
+        if self.config.norm == NormKind::Layer {
+            return ModelSpec::Gpt2(Gpt2Config::from_model_config(&self.config));
+        }
         let c = LlamaConfig::from_model_config(&self.config);
-        match recipe {
+        ModelSpec::Llama(match recipe {
             Recipe::Full { .. } => c.with_tied_embeddings(false),
             _ => c,
-        }
+        })
     }
 
     pub fn qk_layout(&self) -> QkLayout {
@@ -89,20 +95,26 @@ pub fn start_model<B: ToyBackend>(
     config: &TrainConfig,
     base: &Base,
     device: &B::Device,
-) -> Result<Transformer<B>, TrainError> {
-    let (_, model) = toy_models::load::<B>(&base.file, device, |_, _| {})
+) -> Result<Model<B>, TrainError> {
+    let (_, model) = toy_models::load_model::<B>(&base.file, device, |_, _| {})
         .map_err(|e| TrainError::Config(format!("cannot load the base model: {e}")))?;
     match &config.recipe {
         Recipe::Full { .. } => {
-            if model.blocks.iter().any(|b| matches!(b.ffn, Ffn::Moe(_))) {
+            if let Model::Llama(m) = &model
+                && m.blocks.iter().any(|b| matches!(b.ffn, Ffn::Moe(_)))
+            {
                 return Err(TrainError::Config(
                     "a full fine-tune of a mixture-of-experts base is not supported (its experts and saving them are not); use --recipe lora on the attention (q,k,v,o)".into(),
                 ));
             }
             // Every weight trains, the embedding too: a packed table becomes an f32 one.
-            let mut model = dequantize(model);
-            model.token_embd = model.token_embd.dequantized();
-            Ok(model)
+            Ok(match dequantize(model) {
+                Model::Llama(mut m) => {
+                    m.token_embd = m.token_embd.dequantized();
+                    Model::Llama(m)
+                }
+                gpt2 => gpt2,
+            })
         }
         Recipe::Lora { adapter, .. } | Recipe::Qlora { adapter, .. } => {
             let model = match config.recipe {
@@ -111,7 +123,7 @@ pub fn start_model<B: ToyBackend>(
             };
             let model = model.map(&mut Freeze);
             let spec = adapter.spec()?;
-            check_unfused_targets(&base.config, &spec.targets)?;
+            check_targets(&base.config, &spec.targets)?;
             let seed = config.seed;
             let adapters = new_adapters(&model, &spec, |layer, target, [r, inp]| {
                 lora_a(seed, layer, target, r, inp)
@@ -126,22 +138,36 @@ pub fn start_model<B: ToyBackend>(
     }
 }
 
-/// An adapter lives on one GGUF tensor: phi3's fused `attn_qkv` and gate+up `ffn_up` cannot
-/// take adapters of their parts (llama.cpp and PEFT would see one matrix).
-fn check_unfused_targets(config: &ModelConfig, targets: &[Target]) -> Result<(), TrainError> {
-    let fused = |t: &Target| match t {
-        Target::Q | Target::K | Target::V => config.fused_qkv,
-        Target::Gate | Target::Up => config.fused_gate_up,
-        Target::O | Target::Down => false,
-    };
-    match targets.iter().find(|t| fused(t)) {
-        Some(t) => Err(TrainError::Config(format!(
-            "{} stores its Q/K/V and gate/up projections fused (attn_qkv, ffn_up), so LoRA target {:?} has no matrix of its own; use --lora-targets o,down",
-            config.architecture,
-            t.name()
-        ))),
-        None => Ok(()),
+/// An adapter lives on one GGUF tensor: phi3's fused `attn_qkv` and gate+up `ffn_up` take one
+/// adapter each (`qkv`, `gate_up`), not adapters of their parts (llama.cpp and PEFT see one
+/// matrix), and a family that stores its projections apart has no fused matrix to adapt.
+/// (GPT-2's targets are checked by its blocks: qkv, o, up, down.)
+fn check_targets(config: &ModelConfig, targets: &[Target]) -> Result<(), TrainError> {
+    if config.norm == NormKind::Layer {
+        return Ok(());
     }
+    let arch = &config.architecture;
+    for &t in targets {
+        let problem = match t {
+            Target::Q | Target::K | Target::V if config.fused_qkv => Some("qkv"),
+            Target::Gate | Target::Up if config.fused_gate_up => Some("gate_up"),
+            Target::Qkv if !config.fused_qkv => Some("q,k,v"),
+            Target::GateUp if !config.fused_gate_up => Some("gate,up"),
+            _ => None,
+        };
+        if let Some(instead) = problem {
+            let how = if matches!(t, Target::Qkv | Target::GateUp) {
+                "stores these projections apart"
+            } else {
+                "stores its Q/K/V (attn_qkv) and gate/up (ffn_up) projections fused"
+            };
+            return Err(TrainError::Config(format!(
+                "{arch} {how}, so it has no matrix for LoRA target {:?}: use {instead}",
+                t.name()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `A` of the adapter on `target` of block `layer`: N(0, 1/in) from its own stream of `seed`.
@@ -163,12 +189,19 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
 /// Replace every packed projection (and a packed output head) with its f32 weight
 /// ([`QLinear::dequantized`]: llama.cpp's dequantization, exact in f32). A mixture of experts
 /// keeps its experts as they are (frozen under LoRA, which adapts only its attention).
-pub fn dequantize<B: ToyBackend>(mut model: Transformer<B>) -> Transformer<B> {
-    model.output = model.output.dequantized();
-    for block in &mut model.blocks {
+///
+/// [`QLinear::dequantized`]: toy_models::QLinear::dequantized
+pub fn dequantize<B: ToyBackend>(mut model: Model<B>) -> Model<B> {
+    match &mut model {
+        Model::Llama(m) => m.output = m.output.dequantized(),
+        Model::Gpt2(m) => m.output = m.output.dequantized(),
+    }
+    for block in model.lora_blocks_mut() {
         for t in Target::ALL {
-            if let Some(w) = projection_mut(block, t) {
-                *w = w.dequantized();
+            if let Ok(parts) = block.adapted_mut(t) {
+                for w in parts {
+                    *w = w.dequantized();
+                }
             }
         }
     }

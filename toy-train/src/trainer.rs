@@ -116,17 +116,20 @@ impl TrainSetup {
     /// tokenizer's vocabulary.
     pub fn model_spec(&self) -> ModelSpec {
         match (&self.base, self.config.model.arch) {
-            (Some(_), _) | (None, Arch::Llama) => ModelSpec::Llama(self.llama_config()),
+            (Some(base), _) => base.spec(&self.config.recipe),
+            (None, Arch::Llama) => ModelSpec::Llama(self.llama_config()),
             (None, Arch::Gpt2) => {
                 ModelSpec::Gpt2(self.config.model.gpt2(self.tokenizer.vocab_size()))
             }
         }
     }
 
+    /// The llama config of the run: its base's when that is a llama-family model, else the
+    /// config's with the tokenizer's vocabulary.
     pub fn llama_config(&self) -> LlamaConfig {
-        match &self.base {
-            Some(base) => base.llama_config(&self.config.recipe),
-            None => self.config.model.llama(self.tokenizer.vocab_size()),
+        match self.base.as_ref().map(|b| b.spec(&self.config.recipe)) {
+            Some(ModelSpec::Llama(c)) => c,
+            _ => self.config.model.llama(self.tokenizer.vocab_size()),
         }
     }
 
@@ -154,7 +157,7 @@ impl TrainSetup {
         run: &RunDir,
     ) -> Result<u64, TrainError> {
         match (&self.base, self.config.recipe.adapter(), model) {
-            (Some(base), Some(a), Model::Llama(model)) => {
+            (Some(base), Some(a), model) => {
                 let adapter = Adapter::from_model(model, a.alpha, a.dropout)?;
                 adapter.write_all(
                     &run.path,
@@ -164,10 +167,11 @@ impl TrainSetup {
                     &format!("toy {} {}", self.config.recipe, run.id),
                 )
             }
-            // A full fine-tune keeps the base's architecture (its metadata and tensor set).
+            // A full fine-tune keeps the base's architecture (its metadata and tensor set;
+            // GPT-2 has one tensor set, which `spec.save` writes with the base's tokenizer).
             (Some(base), None, Model::Llama(model)) => {
                 let ModelSpec::Llama(config) = spec else {
-                    unreachable!("a run with a base trains a llama-family model")
+                    unreachable!("a llama-family base gives a llama spec")
                 };
                 Ok(toy_models::save_like_base(
                     model,
@@ -232,7 +236,7 @@ pub fn train<B: ToyBackend>(
     // The model and optimizer: fresh from the seed (or the base), or restored exactly.
     let mut model: Trainee<Ad<B>> = match &setup.base {
         Some(base) => Trainee {
-            model: Model::Llama(start_model(config, base, device)?),
+            model: start_model(config, base, device)?,
             embd_proj: None,
         },
         None => init_trainee(&spec, config.seed, setup.donor.as_ref(), device)?,
@@ -270,13 +274,9 @@ pub fn train<B: ToyBackend>(
                 <LoraAdapters<Ad<B>> as Module<Ad<B>>>::Record,
                 OptimRecord<Ad<B>>,
             >(dir, device)?;
-            let Model::Llama(llama) = model.model else {
-                return Err(TrainError::Config("LoRA trains llama-family models".into()));
-            };
-            let restored = lora::adapters(&llama).load_record(record);
-            model.model = Model::Llama(
-                lora::install(llama, restored).map_err(|e| TrainError::Record(e.to_string()))?,
-            );
+            let restored = lora::adapters(&model.model).load_record(record);
+            model.model = lora::install(model.model, restored)
+                .map_err(|e| TrainError::Record(e.to_string()))?;
             (saved, optim_record)
         } else {
             let (saved, model_record, optim_record) =
@@ -333,12 +333,10 @@ pub fn train<B: ToyBackend>(
             .collect::<Result<Vec<_>, _>>()?;
         let epoch = batches[0].epoch;
         // LoRA dropout masks: a function of the seed and the step.
-        if let Model::Llama(llama) = &mut model.model {
-            lora::set_dropout_seed(
-                llama,
-                config.seed ^ (step as u64).wrapping_mul(0x2545_F491_4F6C_DD1D),
-            );
-        }
+        lora::set_dropout_seed(
+            &mut model.model,
+            config.seed ^ (step as u64).wrapping_mul(0x2545_F491_4F6C_DD1D),
+        );
         let (mut grads, loss) = accumulate_grads(&model, donor.as_ref(), &batches, device);
         let norm = grad_norm::<Ad<B>, _>(&model, &mut grads);
         if !norm.is_finite() {
@@ -392,10 +390,8 @@ pub fn train<B: ToyBackend>(
             state.events_len = events.log.durable_len()?;
             let valid = plain(&model);
             let write = |_: &Path| setup.write_outputs(&valid, &spec, &meta, run);
-            let (dir, bytes) = if let (true, Model::Llama(llama)) =
-                (setup.trains_adapters(), &model.model)
-            {
-                let adapters = lora::adapters(llama);
+            let (dir, bytes) = if setup.trains_adapters() {
+                let adapters = lora::adapters(&model.model);
                 run.write_checkpoint::<Ad<B>, _, _>(&state, &adapters, optim.to_record(), write)?
             } else {
                 run.write_checkpoint::<Ad<B>, _, _>(&state, &model, optim.to_record(), write)?
@@ -466,17 +462,16 @@ pub fn accumulate_grads<B: ToyBackend>(
     for (m, batch) in batches.iter().enumerate() {
         // Each micro-batch draws its own LoRA dropout masks.
         let reseeded;
-        let model = match &model.model {
-            Model::Llama(llama) if m > 0 && lora::has_dropout(llama) => {
-                let mut clone = llama.clone();
-                lora::advance_dropout(&mut clone, m as u64);
-                reseeded = Trainee {
-                    model: Model::Llama(clone),
-                    embd_proj: model.embd_proj.clone(),
-                };
-                &reseeded
-            }
-            _ => model,
+        let model = if m > 0 && lora::has_dropout(&model.model) {
+            let mut clone = model.model.clone();
+            lora::advance_dropout(&mut clone, m as u64);
+            reseeded = Trainee {
+                model: clone,
+                embd_proj: model.embd_proj.clone(),
+            };
+            &reseeded
+        } else {
+            model
         };
         let (inputs, targets) = batch.tensors::<Ad<B>>(device);
         let loss = model.loss(inputs, targets, donor);
