@@ -81,6 +81,7 @@ fn inner_packed<B: ToyBackend, C: CheckpointStrategy>(
         scales: w.scales.map(|t| t.primitive),
         mins: w.mins.map(|t| t.primitive),
         repackable: w.repackable,
+        interleaved: w.interleaved,
     }
 }
 
@@ -241,6 +242,10 @@ impl<B: ToyBackend> Backward<B, 2> for LinearCrossEntropyBackward {
 impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
     fn with_row_groups<R>(lens: &[usize], f: impl FnOnce() -> R) -> R {
         B::with_row_groups(lens, f)
+    }
+
+    fn interleaves_q4k() -> bool {
+        B::interleaves_q4k()
     }
 
     fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {

@@ -82,6 +82,14 @@ pub trait ToyBackend: Backend {
         f()
     }
 
+    /// Whether this backend stores Q4_K matmul weights interleaved by eight rows
+    /// ([`packed::interleave_q4k_x8`], for the weights [`packed::interleaves`] picks): the
+    /// CPU's layout, which its eight-row kernel reads as one stream instead of eight. The
+    /// default keeps the file's layout.
+    fn interleaves_q4k() -> bool {
+        false
+    }
+
     /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a weight `W` kept in its GGUF block format
     /// (any of [`packed::PACKED_TYPES`]). On the CPU this computes what llama.cpp's x86 build
     /// computes for that type, bit for bit: the activations quantized to the 8-bit blocks the

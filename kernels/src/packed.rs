@@ -78,6 +78,10 @@ pub struct PackedTensor<B: Backend> {
     /// which llama.cpp keeps in its plain buffer even when a tied output head multiplies by it.
     /// The repacked kernels sum in another order, so the CPU backend needs to know.
     pub repackable: bool,
+    /// Q4_K rows interleaved by eight ([`interleave_q4k_x8`]): the layout of a backend whose
+    /// [`interleaves_q4k`](crate::ToyBackend::interleaves_q4k) is true, for the weights
+    /// [`interleaves`] picks. Every reader of the words honours it.
+    pub interleaved: bool,
 }
 
 /// A packed weight on the host, ready to become device tensors.
@@ -202,10 +206,77 @@ pub fn row_bytes(ty: GgmlType, cols: usize, words: &[u32], r: usize) -> &[u8] {
     &bytes[..cols / ty.block_size() * ty.type_size()]
 }
 
+/// Super-blocks per chunk of the interleaved Q4_K layout ([`interleave_q4k_x8`]).
+pub const Q4K_X8_CHUNK: usize = 16;
+
+/// Whether a backend that interleaves Q4_K weights ([`ToyBackend::interleaves_q4k`]) stores
+/// this one interleaved: a Q4_K matmul weight whose rows come in eights — weights llama.cpp
+/// repacks (`block_q4_Kx8`), so the kernels that read it compute llama.cpp's repacked forms —
+/// and are longer than one chunk.
+///
+/// [`ToyBackend::interleaves_q4k`]: crate::ToyBackend::interleaves_q4k
+pub fn interleaves(ty: GgmlType, rows: usize, cols: usize, repackable: bool) -> bool {
+    // Rows of at most one chunk are already laid out so (`interleave_q4k_x8` is the identity).
+    ty == GgmlType::Q4K && repackable && rows.is_multiple_of(8) && cols > Q4K_X8_CHUNK * QK_K
+}
+
+/// Q4_K rows `[rows, sb super-blocks]` (row-major, any unit: bytes, or the 36 words of a
+/// super-block) interleaved by eight: for each group of eight rows, the rows' super-blocks in
+/// chunks of [`Q4K_X8_CHUNK`], row after row within a chunk — so the CPU's eight-row kernel
+/// reads one contiguous stream instead of eight. `rows` is a multiple of 8.
+pub fn interleave_q4k_x8<T: Copy>(data: &[T], rows: usize, sb: usize) -> Vec<T> {
+    assert!(rows.is_multiple_of(8) && sb > 0 && data.len().is_multiple_of(rows * sb));
+    let block = data.len() / (rows * sb);
+    let row_len = sb * block;
+    let mut out = Vec::with_capacity(data.len());
+    for group in data.chunks_exact(8 * row_len) {
+        for i0 in (0..sb).step_by(Q4K_X8_CHUNK) {
+            let len = Q4K_X8_CHUNK.min(sb - i0);
+            for r in 0..8 {
+                let at = r * row_len + i0 * block;
+                out.extend_from_slice(&group[at..at + len * block]);
+            }
+        }
+    }
+    out
+}
+
+/// Where super-block `i` of row `r` starts in the interleaved layout, counted in super-blocks.
+fn interleaved_block(r: usize, i: usize, sb: usize) -> usize {
+    let i0 = i - i % Q4K_X8_CHUNK;
+    let len = Q4K_X8_CHUNK.min(sb - i0);
+    (r / 8) * 8 * sb + 8 * i0 + (r % 8) * len + i % Q4K_X8_CHUNK
+}
+
+/// The inverse of [`interleave_q4k_x8`].
+pub fn deinterleave_q4k_x8<T: Copy>(data: &[T], rows: usize, sb: usize) -> Vec<T> {
+    assert!(rows.is_multiple_of(8) && sb > 0 && data.len().is_multiple_of(rows * sb));
+    let block = data.len() / (rows * sb);
+    (0..rows)
+        .flat_map(|r| (0..sb).map(move |i| interleaved_block(r, i, sb)))
+        .flat_map(|b| data[b * block..(b + 1) * block].iter().copied())
+        .collect()
+}
+
+/// The GGUF bytes of row `r` of an interleaved Q4_K weight.
+fn interleaved_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
+    let sb = p.cols / QK_K;
+    let bytes: &[u8] = bytemuck::cast_slice(p.words);
+    (0..sb)
+        .flat_map(|i| {
+            let b = interleaved_block(r, i, sb);
+            bytes[b * 144..(b + 1) * 144].iter().copied()
+        })
+        .collect()
+}
+
 /// Row `r` of a packed weight as the GGUF block bytes it came from (the split layouts are
 /// re-assembled), so that `toy_quant::dequantize` can read it.
 pub fn gguf_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
     let (ty, cols) = (p.ty, p.cols);
+    if p.interleaved {
+        return interleaved_row(p, r);
+    }
     if !is_split(ty) {
         return row_bytes(ty, cols, p.words, r).to_vec();
     }
@@ -236,6 +307,8 @@ pub struct HostPackedView<'a> {
     pub scales: &'a [f32],
     /// Empty unless Q4_1.
     pub mins: &'a [f32],
+    /// Q4_K rows interleaved by eight ([`interleave_q4k_x8`]).
+    pub interleaved: bool,
 }
 
 impl HostPacked {
@@ -247,6 +320,7 @@ impl HostPacked {
             words: &self.words,
             scales: self.scales.as_deref().unwrap_or(&[]),
             mins: self.mins.as_deref().unwrap_or(&[]),
+            interleaved: false,
         }
     }
 }
@@ -257,7 +331,7 @@ pub fn dequantize_rows(p: &HostPackedView<'_>, ids: impl IntoIterator<Item = usi
     let mut out = Vec::new();
     let mut row = vec![0.0f32; p.cols];
     for r in ids {
-        let result = if is_split(p.ty) {
+        let result = if is_split(p.ty) || p.interleaved {
             toy_quant::dequantize(p.ty, &gguf_row(p, r), &mut row)
         } else {
             toy_quant::dequantize(p.ty, row_bytes(p.ty, p.cols, p.words, r), &mut row)
@@ -271,6 +345,38 @@ pub fn dequantize_rows(p: &HostPackedView<'_>, ids: impl IntoIterator<Item = usi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Interleaving Q4_K rows by eight is undone by its inverse, and every row read from the
+    /// interleaved words is the row it was (super-block counts around the chunk of 16).
+    #[test]
+    fn interleaved_q4k_rows_round_trip() {
+        for (rows, sb) in [(8, 1), (16, 3), (8, 16), (24, 17), (8, 33)] {
+            let bytes: Vec<u8> = (0..rows * sb * 144)
+                .map(|i| (i * 7 + i / 13) as u8)
+                .collect();
+            let inter = interleave_q4k_x8(&bytes, rows, sb);
+            assert!(sb <= 16 || inter != bytes, "{rows} × {sb}");
+            assert_eq!(deinterleave_q4k_x8(&inter, rows, sb), bytes);
+            let words: Vec<u32> = bytes
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let inter_words = interleave_q4k_x8(&words, rows, sb);
+            assert_eq!(bytemuck::cast_slice::<u32, u8>(&inter_words), &inter[..]);
+            let view = HostPackedView {
+                ty: GgmlType::Q4K,
+                rows,
+                cols: sb * QK_K,
+                words: &inter_words,
+                scales: &[],
+                mins: &[],
+                interleaved: true,
+            };
+            for r in 0..rows {
+                assert_eq!(gguf_row(&view, r), bytes[r * sb * 144..(r + 1) * sb * 144]);
+            }
+        }
+    }
 
     /// Packing then re-assembling a row gives the GGUF bytes back, for every packed type.
     #[test]

@@ -109,6 +109,7 @@ pub fn packed_matmul_backward<B: Backend>(
 /// Rows `ids` of `w`, dequantized: the packed rows are selected first, so only they are
 /// widened.
 pub fn packed_rows<B: Backend>(w: PackedTensor<B>, ids: IntTensor<B>) -> FloatTensor<B> {
+    let w = deinterleaved(w);
     let ids = Tensor::<B, 1, Int>::from_primitive(ids);
     let rows = |t: IntTensor<B>| Tensor::<B, 2, Int>::from_primitive(t).select(0, ids.clone());
     let rows_f = |t: FloatTensor<B>| float::<B, 2>(t).select(0, ids.clone());
@@ -119,6 +120,7 @@ pub fn packed_rows<B: Backend>(w: PackedTensor<B>, ids: IntTensor<B>) -> FloatTe
         scales: w.scales.map(|t| rows_f(t).into_primitive().tensor()),
         mins: w.mins.map(|t| rows_f(t).into_primitive().tensor()),
         repackable: w.repackable,
+        interleaved: false,
     };
     packed_dequantize::<B>(selected).into_primitive().tensor()
 }
@@ -147,6 +149,7 @@ pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
                 words: &host,
                 scales: &[],
                 mins: &[],
+                interleaved: w.interleaved,
             };
             let values = dequantize_rows(&view, 0..rows);
             Tensor::from_data(
@@ -154,6 +157,27 @@ pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
                 (&device, DType::F32),
             )
         }
+    }
+}
+
+/// `w` in the file's row layout: an interleaved Q4_K weight (`packed::interleave_q4k_x8`)
+/// read back, put back in row order and uploaded again; any other weight as it is.
+pub fn deinterleaved<B: Backend>(w: PackedTensor<B>) -> PackedTensor<B> {
+    if !w.interleaved {
+        return w;
+    }
+    let words = Tensor::<B, 2, Int>::from_primitive(w.words);
+    let (device, [rows, per_row]) = (words.device(), words.dims());
+    let host = host_words(words.into_data());
+    let plain = crate::packed::deinterleave_q4k_x8(&host, rows, w.cols / crate::packed::QK_K);
+    let words = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(plain, [rows, per_row]),
+        (&device, DType::U32),
+    );
+    PackedTensor {
+        words: words.into_primitive(),
+        interleaved: false,
+        ..w
     }
 }
 

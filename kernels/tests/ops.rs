@@ -60,6 +60,7 @@ fn packed_tensor<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> PackedTensor<B
         scales: side(&p.scales),
         mins: side(&p.mins),
         repackable: false,
+        interleaved: false,
     }
 }
 
@@ -399,6 +400,86 @@ fn q4_0_matmul_flex_native() {
 #[test]
 fn q4_1_matmul_flex_native() {
     check_matmul::<Flex>(GgmlType::Q4_1, true);
+}
+
+/// The CPU backend's interleaved Q4_K layout (`packed::interleave_q4k_x8`) gives the bits of
+/// the file's layout in every op that reads a weight: the matmul for every row count (the
+/// eight-row decode kernel on the groups as they lie; the 4-row gemm and the rest on rows put
+/// back in order), inside a batched pass that declares its sequences, the activations'
+/// gradient, embedding rows and the whole dequantized weight — on Flex and on NdArray's
+/// reference bodies.
+#[test]
+fn interleaved_q4_k_gives_the_file_layouts_bits() {
+    fn check<B: ToyBackend>() {
+        let d = Default::default();
+        let (n, k) = (40, 17 * 256); // two chunks of super-blocks: 16 and 1
+        let (p, _) = weight(GgmlType::Q4K, n, k, 91);
+        let plain = PackedTensor::<B> {
+            repackable: true,
+            ..packed_tensor::<B>(&p, &d)
+        };
+        let words = toy_kernels::packed::interleave_q4k_x8(&p.words, n, k / 256);
+        let inter = PackedTensor::<B> {
+            words: Tensor::<B, 2, Int>::from_data(
+                TensorData::new(words, [n, p.words.len() / n]),
+                (&d, DType::U32),
+            )
+            .into_primitive(),
+            interleaved: true,
+            ..plain.clone()
+        };
+        let bits = |t: burn::tensor::ops::FloatTensor<B>| -> Vec<u32> {
+            host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)))
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        for m in [1, 2, 3, 4, 5, 8, 17] {
+            let x = || float::<B, 2>(randn(m * k, 92 + m as u64), [m, k], &d);
+            let want = bits(B::packed_matmul(
+                x().into_primitive().tensor(),
+                plain.clone(),
+            ));
+            let got = bits(B::packed_matmul(
+                x().into_primitive().tensor(),
+                inter.clone(),
+            ));
+            assert_eq!(got, want, "matmul m={m}");
+            if m == 17 {
+                let lens = [1, 4, 12];
+                let batched = |w: &PackedTensor<B>| {
+                    B::with_row_groups(&lens, || {
+                        bits(B::packed_matmul(x().into_primitive().tensor(), w.clone()))
+                    })
+                };
+                assert_eq!(batched(&inter), batched(&plain), "row groups");
+            }
+            let dy = || float::<B, 2>(randn(m * n, 93 + m as u64), [m, n], &d);
+            let want = bits(B::packed_matmul_backward(
+                dy().into_primitive().tensor(),
+                plain.clone(),
+            ));
+            let got = bits(B::packed_matmul_backward(
+                dy().into_primitive().tensor(),
+                inter.clone(),
+            ));
+            assert_eq!(got, want, "backward m={m}");
+        }
+        let ids = || {
+            Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, 7, 8, 39, 21], [5]), &d)
+                .into_primitive()
+        };
+        assert_eq!(
+            bits(B::packed_rows(inter.clone(), ids())),
+            bits(B::packed_rows(plain.clone(), ids()))
+        );
+        assert_eq!(
+            bits(B::packed_dequantize(inter)),
+            bits(B::packed_dequantize(plain))
+        );
+    }
+    check::<Flex>();
+    check::<NdArray>();
 }
 
 #[test]

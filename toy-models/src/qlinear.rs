@@ -9,7 +9,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_kernels::ToyBackend;
-use toy_kernels::packed::{GgmlType, HostPacked, PackedTensor};
+use toy_kernels::packed::{GgmlType, HostPacked, PackedTensor, interleave_q4k_x8, interleaves};
 
 /// A weight `[rows, cols]` in its GGUF block format (layouts: `toy_kernels::packed`).
 #[derive(Module, Debug)]
@@ -26,15 +26,24 @@ pub struct PackedMatrix<B: Backend> {
     pub cols: usize,
     /// See `PackedTensor::repackable`: false for a token embedding table.
     pub repackable: bool,
+    /// See `PackedTensor::interleaved`: Q4_K rows interleaved by eight (the CPU's layout).
+    pub interleaved: bool,
 }
 
-impl<B: Backend> PackedMatrix<B> {
+impl<B: ToyBackend> PackedMatrix<B> {
     /// Upload a packed weight. `repackable`: whether it is a matmul weight llama.cpp would
-    /// repack (true) or a token embedding table (false).
+    /// repack (true) or a token embedding table (false). On a backend that interleaves Q4_K
+    /// weights (the CPU), such a weight is interleaved here, once.
     pub fn from_host(packed: HostPacked, repackable: bool, device: &B::Device) -> Self {
         let per_row = packed.words.len() / packed.rows;
+        let interleaved =
+            B::interleaves_q4k() && interleaves(packed.ty, packed.rows, packed.cols, repackable);
+        let words = match interleaved {
+            true => interleave_q4k_x8(&packed.words, packed.rows, packed.cols / 256),
+            false => packed.words,
+        };
         let words = Tensor::from_data(
-            TensorData::new(packed.words, [packed.rows, per_row]),
+            TensorData::new(words, [packed.rows, per_row]),
             (device, DType::U32),
         );
         let blocks = [packed.rows, packed.cols / 32];
@@ -54,16 +63,19 @@ impl<B: Backend> PackedMatrix<B> {
             ty: packed.ty,
             cols: packed.cols,
             repackable,
+            interleaved,
         }
     }
+}
 
+impl<B: Backend> PackedMatrix<B> {
     /// `[rows, cols]`.
     pub fn dims(&self) -> [usize; 2] {
         [self.words.dims()[0], self.cols]
     }
 
     /// The same weight as a token embedding table (llama.cpp keeps those unrepacked) or as a
-    /// matmul weight.
+    /// matmul weight. (Its layout stays as uploaded: every op reads either.)
     pub fn with_repackable(mut self, repackable: bool) -> Self {
         self.repackable = repackable;
         self
@@ -86,6 +98,7 @@ impl<B: ToyBackend> PackedMatrix<B> {
                 .as_ref()
                 .map(|m| m.val().into_primitive().tensor()),
             repackable: self.repackable,
+            interleaved: self.interleaved,
         }
     }
 

@@ -29,11 +29,32 @@ use toy_quant::f32_to_bf16;
 use super::qmatmul::{QuantRow, quantize_row, transpose_columns};
 use super::row_groups;
 use super::{GgmlIsa, ggml_isa};
-use crate::packed::{GgmlType, HostPackedView, row_bytes};
+use crate::packed::{GgmlType, HostPackedView, QK_K, deinterleave_q4k_x8, row_bytes, row_words};
 
 mod spec;
 use spec::*;
 pub(super) use spec::{Q8K, dot_repacked_32, f16_at, quantize_q8_k, scales_q3_k};
+
+/// Eight weight rows as an eight-row kernel reads them: apart (each row's GGUF bytes), or — for
+/// Q4_K on the CPU backend — interleaved: the group's slice of `packed::interleave_q4k_x8`.
+#[derive(Clone, Copy)]
+pub(super) enum Rows8<'a> {
+    Apart([&'a [u8]; 8]),
+    Interleaved(&'a [u8]),
+}
+
+impl<'a> Rows8<'a> {
+    /// Q4_K super-block `i0 + i` of row `c`, in the chunk that starts at super-block `i0` and
+    /// holds `len` (the interleaved layout's chunks are `packed::Q4K_X8_CHUNK` long).
+    #[inline(always)]
+    pub(super) fn q4k_block(&self, c: usize, i0: usize, len: usize, i: usize) -> &'a [u8] {
+        let (bytes, at) = match *self {
+            Rows8::Apart(rows) => (rows[c], 144 * (i0 + i)),
+            Rows8::Interleaved(group) => (group, 144 * (8 * i0 + c * len + i)),
+        };
+        &bytes[at..at + 144]
+    }
+}
 
 /// Which of llama.cpp's code paths computes an output (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,16 +219,16 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
 
 /// Eight outputs — eight weight rows against one activation row — where an 8-row AVX2 kernel
 /// computes them (the same bits as eight `dot_avx2` calls); `None` elsewhere.
-fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]> {
+fn dot8(ty: GgmlType, w: Rows8<'_>, x: &ActRow, form: Form) -> Option<[f32; 8]> {
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx2 {
         use super::blocks_avx2 as v;
         use super::blocks32_avx2 as w32;
         // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
         return unsafe {
-            match (ty, x, form) {
-                (GgmlType::Q4K, ActRow::Q8K(y), Form::Gemv) => Some(v::dot8_q4_k_gemv(w, y)),
-                (GgmlType::IQ4NL, ActRow::Q8(y), Form::Gemv) => {
+            match (ty, x, form, w) {
+                (GgmlType::Q4K, ActRow::Q8K(y), Form::Gemv, w) => Some(v::dot8_q4_k_gemv(w, y)),
+                (GgmlType::IQ4NL, ActRow::Q8(y), Form::Gemv, Rows8::Apart(w)) => {
                     let [y] =
                         w32::dot8_repacked_32::<1>(w[0].len() / 18, [y], w32::Repacked8::Iq4Nl(w));
                     Some(y)
@@ -222,9 +243,9 @@ fn dot8(ty: GgmlType, w: [&[u8]; 8], x: &ActRow, form: Form) -> Option<[f32; 8]>
 
 /// `dot8` for four activation rows of the same form at once, where a kernel unpacks each weight
 /// register once for all four (the same bits as four `dot8` calls); `None` elsewhere.
-fn dot8_rows4(ty: GgmlType, w: [&[u8]; 8], x: [&ActRow; 4], form: Form) -> Option<[[f32; 8]; 4]> {
+fn dot8_rows4(ty: GgmlType, w: Rows8<'_>, x: [&ActRow; 4], form: Form) -> Option<[[f32; 8]; 4]> {
     #[cfg(target_arch = "x86_64")]
-    if super::cpu_level() >= super::CpuLevel::Avx2 {
+    if let (Rows8::Apart(w), true) = (w, super::cpu_level() >= super::CpuLevel::Avx2) {
         use super::blocks32_avx2 as w32;
         let rows: [&QuantRow; 4] = match x {
             [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
@@ -378,13 +399,33 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
         .map(|(x, &f)| activation(ty, x, f))
         .collect();
     const COLS: usize = 16;
+    let per_row = row_words(ty, k);
+    // An interleaved Q4_K weight (`packed::interleave_q4k_x8`): the eight-row decode kernel
+    // reads each group as it lies; the other forms read rows, which each task puts back in
+    // order first (a copy of its 16 rows, small beside the arithmetic of several rows).
+    let needs_rows = w.interleaved && forms.iter().any(|&f| f != Form::Gemv);
     let mut out_t = vec![0.0f32; n * m];
     out_t
         .par_chunks_mut(m * COLS)
         .enumerate()
         .for_each(|(g, cols)| {
             let ncols = cols.len() / m;
-            let wr = |c: usize| row_bytes(ty, k, w.words, g * COLS + c);
+            let task_words = &w.words[g * COLS * per_row..(g * COLS + ncols) * per_row];
+            let plain: Option<Vec<u32>> =
+                needs_rows.then(|| deinterleave_q4k_x8(task_words, ncols, k / QK_K));
+            let wr = |c: usize| match &plain {
+                Some(p) => row_bytes(ty, k, p, c),
+                None => {
+                    debug_assert!(!w.interleaved, "rows of an interleaved weight");
+                    row_bytes(ty, k, task_words, c)
+                }
+            };
+            let rows8 = |c0: usize| match w.interleaved {
+                true => Rows8::Interleaved(bytemuck::cast_slice(
+                    &task_words[c0 * per_row..(c0 + 8) * per_row],
+                )),
+                false => Rows8::Apart(std::array::from_fn(|r| wr(c0 + r))),
+            };
             // Activation rows in blocks of 16 (llama.cpp's 16 × 16 tiles), so a block's
             // activations and the group's weight rows stay in L1 while they are reused.
             for i0 in (0..m).step_by(ROW_BLOCK) {
@@ -392,7 +433,7 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                 let mut c0 = 0;
                 // Eight outputs per call where an 8-row kernel exists (the same bits as `dot`).
                 'eight: while c0 + 8 <= ncols {
-                    let rows: [&[u8]; 8] = std::array::from_fn(|r| wr(c0 + r));
+                    let rows = rows8(c0);
                     let mut i = i0;
                     // Four activation rows per call where that kernel exists.
                     while i + 4 <= i1 && forms[i..i + 4].iter().all(|&f| f == forms[i]) {

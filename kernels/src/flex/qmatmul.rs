@@ -337,6 +337,7 @@ pub(super) struct HostWeight {
     words: FlexTensor,
     scales: Option<FlexTensor>,
     mins: Option<FlexTensor>,
+    interleaved: bool,
 }
 
 impl HostWeight {
@@ -371,6 +372,7 @@ impl HostWeight {
             words: w.words.to_contiguous(),
             scales,
             mins,
+            interleaved: w.interleaved,
         })
     }
 
@@ -391,6 +393,7 @@ impl HostWeight {
             words,
             scales: f32s(&self.scales),
             mins: f32s(&self.mins),
+            interleaved: self.interleaved,
         }
     }
 }

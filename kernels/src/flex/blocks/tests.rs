@@ -73,7 +73,13 @@ fn eight_row_dots_are_bit_identical_to_the_spec() {
             let x = random_activations(k, &mut next);
             let act = activation(ty, &x, form);
             let w: [&[u8]; 8] = std::array::from_fn(|r| rows[r].as_slice());
-            let got = dot8(ty, w, &act, form).expect("an 8-row kernel");
+            let got = dot8(ty, Rows8::Apart(w), &act, form).expect("an 8-row kernel");
+            if ty == GgmlType::Q4K {
+                // The CPU backend's interleaved layout reads the same bits.
+                let inter = crate::packed::interleave_q4k_x8(&rows.concat(), 8, sb);
+                let got_i = dot8(ty, Rows8::Interleaved(&inter), &act, form).unwrap();
+                assert_eq!(got_i.map(f32::to_bits), got.map(f32::to_bits), "{sb}");
+            }
             for r in 0..8 {
                 let want = dot(ty, w[r], &act, form, GgmlIsa::Avx2);
                 assert_eq!(
@@ -88,7 +94,7 @@ fn eight_row_dots_are_bit_identical_to_the_spec() {
                 .map(|_| activation(ty, &random_activations(k, &mut next), form))
                 .collect();
             let x = [&acts[0], &acts[1], &acts[2], &acts[3]];
-            if let Some(got) = dot8_rows4(ty, w, x, form) {
+            if let Some(got) = dot8_rows4(ty, Rows8::Apart(w), x, form) {
                 for (a, act) in acts.iter().enumerate() {
                     for r in 0..8 {
                         let want = dot(ty, w[r], act, form, GgmlIsa::Avx2);
@@ -255,4 +261,64 @@ fn avx2_dots_are_bit_identical_to_the_spec() {
         }
     }
     assert!(checked > 60, "{checked}");
+}
+
+/// Not a test: the bandwidth `dot8_q4_k_gemv` reads a 1B-model-sized Q4_K matrix at, with the
+/// rows apart (the file's layout) and interleaved by eight. `cargo test --release -p toy-kernels
+/// --lib q4k_gemv_bandwidth -- --ignored --nocapture`.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore]
+fn q4k_gemv_bandwidth() {
+    for (rows, sb) in [(65536usize, 8usize), (16384, 32)] {
+        q4k_gemv_bandwidth_of(rows, sb);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn q4k_gemv_bandwidth_of(rows: usize, sb: usize) {
+    use super::super::blocks_avx2::dot8_q4_k_gemv;
+    let k = sb * QK_K;
+    let mut next = rng(5);
+    let bytes: Vec<u8> = (0..rows)
+        .flat_map(|_| random_row(GgmlType::Q4K, sb, &mut next))
+        .collect();
+    let inter = crate::packed::interleave_q4k_x8(&bytes, rows, sb);
+    let x = random_activations(k, &mut next);
+    let ActRow::Q8K(y) = activation(GgmlType::Q4K, &x, Form::Gemv) else {
+        unreachable!()
+    };
+    let row_len = sb * 144;
+    let run = |interleaved: bool| -> Vec<f32> {
+        (0..rows / 8)
+            .into_par_iter()
+            .flat_map_iter(|g| {
+                let w = if interleaved {
+                    Rows8::Interleaved(&inter[g * 8 * row_len..(g + 1) * 8 * row_len])
+                } else {
+                    Rows8::Apart(std::array::from_fn(|r| {
+                        &bytes[(g * 8 + r) * row_len..(g * 8 + r + 1) * row_len]
+                    }))
+                };
+                // SAFETY: AVX2 checked by the caller's CPU (this is a manual benchmark).
+                unsafe { dot8_q4_k_gemv(w, &y) }
+            })
+            .collect()
+    };
+    assert_eq!(run(false), run(true), "the same bits either way");
+    for round in 0..3 {
+        for interleaved in [false, true] {
+            let t = std::time::Instant::now();
+            let reps = 20;
+            for _ in 0..reps {
+                std::hint::black_box(run(interleaved));
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!(
+                "{rows} × {k}: round {round} interleaved={interleaved}: {:.2} ms, {:.1} GB/s",
+                s * 1e3,
+                bytes.len() as f64 / s / 1e9
+            );
+        }
+    }
 }
