@@ -328,25 +328,23 @@ pub fn project_with<B: ToyBackend, const D: usize>(
     }
 }
 
-/// A fused adapter's contribution for `x`, cut into its parts' rows (`outs`): `None` for each
-/// part when there is no adapter.
-pub fn fused_deltas<B: ToyBackend, const D: usize>(
+/// A fused adapter's contribution for `x`, cut into its `N` parts' rows (`outs`): `None` for
+/// each part when there is no adapter.
+pub fn fused_deltas<B: ToyBackend, const D: usize, const N: usize>(
     lora: Option<&Lora<B>>,
     x: &Tensor<B, D>,
-    outs: &[usize],
-) -> Vec<Option<Tensor<B, D>>> {
+    outs: [usize; N],
+) -> [Option<Tensor<B, D>>; N] {
     let Some(l) = lora else {
-        return vec![None; outs.len()];
+        return std::array::from_fn(|_| None);
     };
     let delta = l.forward(x.clone());
     let mut start = 0;
-    outs.iter()
-        .map(|&n| {
-            let part = delta.clone().narrow(D - 1, start, n);
-            start += n;
-            Some(part)
-        })
-        .collect()
+    outs.map(|n| {
+        let part = delta.clone().narrow(D - 1, start, n);
+        start += n;
+        Some(part)
+    })
 }
 
 /// Fresh adapters for `model`: `A` from `draw_a(layer, target, [r, in])` (row-major values),
