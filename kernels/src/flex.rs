@@ -19,7 +19,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::packed::{BLOCK, HostPackedView, dequantize_rows};
-use crate::{AdamWStep, AttentionOptions, PackedTensor, RopeLayout, ToyBackend, reference};
+use crate::{
+    AdamWStep, AttentionOptions, AttentionPart, PackedTensor, RopeLayout, ToyBackend, reference,
+};
 
 /// Which x86 build of llama.cpp the CPU backend reproduces where that build's arithmetic depends
 /// on its vector width: attention's f32 dot products, the vector `expf` of SiLU and softmax,
@@ -422,16 +424,80 @@ impl ToyBackend for Flex {
     ) -> FloatTensor<Self> {
         let (qs, ks) = (q.shape(), k.shape());
         let native = options.softcap.is_none() && qs.num_dims() == 4 && q.dtype() == DType::F32;
-        let (Some(qd), Some(kd), Some(vd)) = (f32_elements(&q), f32_elements(&k), f32_elements(&v))
-        else {
-            return reference::attention::<Self>(q, k, v, options);
-        };
-        if !native {
+        if !native || ks.num_dims() != 4 {
             return reference::attention::<Self>(q, k, v, options);
         }
-        let dims = AttnDims::new(&qs, &ks);
-        let out = attention_ggml(&qd, &kd, &vd, &dims, &options);
+        let (Some(qd), Some(kd), Some(vd)) = (f32_elements(&q), kv_heads(&k), kv_heads(&v)) else {
+            return reference::attention::<Self>(q, k, v, options);
+        };
+        let input = attention::AttnInput {
+            q: qd,
+            k: kd,
+            v: vd,
+            dims: AttnDims::new(&qs, &ks),
+            options,
+        };
+        let out = attention_ggml(&[input]).pop().expect("one output");
         FlexTensor::from_data(TensorData::new(out, qs))
+    }
+
+    fn write_tokens(
+        buffer: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        at: usize,
+    ) -> FloatTensor<Self> {
+        let (bs, xs) = (buffer.shape(), x.shape());
+        let whole = buffer.is_contiguous()
+            && buffer.layout().start_offset() == 0
+            && buffer.bytes().len() == bs.num_elements() * buffer.dtype().size();
+        if !whole || bs.num_dims() != 4 || xs.num_dims() != 4 || x.dtype() != buffer.dtype() {
+            return reference::write_tokens::<Self>(buffer, x, at);
+        }
+        match buffer.dtype() {
+            DType::F32 => write_tokens_typed::<f32>(buffer, &x, at),
+            DType::F16 => write_tokens_typed::<f16>(buffer, &x, at),
+            DType::BF16 => write_tokens_typed::<half::bf16>(buffer, &x, at),
+            _ => reference::write_tokens::<Self>(buffer, x, at),
+        }
+    }
+
+    fn attention_batch(parts: Vec<AttentionPart<Self>>) -> Vec<FloatTensor<Self>> {
+        let native = |p: &AttentionPart<Self>| {
+            p.options.softcap.is_none()
+                && p.q.shape().num_dims() == 4
+                && p.k.shape().num_dims() == 4
+                && p.q.dtype() == DType::F32
+        };
+        if !parts.iter().all(native) {
+            return parts
+                .into_iter()
+                .map(|p| <Self as ToyBackend>::attention(p.q, p.k, p.v, p.options))
+                .collect();
+        }
+        let inputs: Option<Vec<attention::AttnInput<'_>>> = parts
+            .iter()
+            .map(|p| {
+                Some(attention::AttnInput {
+                    q: f32_elements(&p.q)?,
+                    k: kv_heads(&p.k)?,
+                    v: kv_heads(&p.v)?,
+                    dims: AttnDims::new(&p.q.shape(), &p.k.shape()),
+                    options: p.options,
+                })
+            })
+            .collect();
+        let Some(inputs) = inputs else {
+            return parts
+                .into_iter()
+                .map(|p| reference::attention::<Self>(p.q, p.k, p.v, p.options))
+                .collect();
+        };
+        let outs = attention_ggml(&inputs);
+        drop(inputs);
+        outs.into_iter()
+            .zip(&parts)
+            .map(|(out, p)| FlexTensor::from_data(TensorData::new(out, p.q.shape())))
+            .collect()
     }
 
     fn attention_backward(
@@ -625,6 +691,43 @@ fn f32_elements(t: &FlexTensor) -> Option<Cow<'_, [f32]>> {
             dst.copy_from_slice(&data[offset..offset + d]);
         });
     Some(Cow::Owned(out))
+}
+
+/// [`ToyBackend::write_tokens`] on a whole contiguous buffer: `storage_mut` writes in place when
+/// the buffer's data is held once (a KV cache's, between steps), and copies it first otherwise.
+fn write_tokens_typed<E: burn::tensor::Element + bytemuck::Pod>(
+    mut buffer: FlexTensor,
+    x: &FlexTensor,
+    at: usize,
+) -> FlexTensor {
+    let [b, h, capacity, d] = buffer.shape().dims::<4>();
+    let t = x.shape()[2];
+    let x = x.to_contiguous();
+    let src = &x.storage::<E>()[..b * h * t * d];
+    let dst = buffer.storage_mut::<E>();
+    for (bh, rows) in src.chunks(t * d).enumerate() {
+        let start = (bh * capacity + at) * d;
+        dst[start..start + t * d].copy_from_slice(rows);
+    }
+    buffer
+}
+
+/// An f32 `[b, h_kv, tk, d]` key or value tensor as [`attention::Heads`]: read in place when each
+/// head's tokens are contiguous (a KV cache's view of its held tokens), copied otherwise.
+fn kv_heads(t: &FlexTensor) -> Option<attention::Heads<'_>> {
+    let layout = t.layout();
+    let (shape, strides) = (layout.shape(), layout.strides());
+    let [_, h_kv, tk, d] = [shape[0], shape[1], shape[2], shape[3]];
+    let rows_contiguous = strides[3] == 1 && (strides[2] == d as isize || tk == 1);
+    if t.dtype() == DType::F32 && rows_contiguous && strides[..2].iter().all(|&s| s >= 0) {
+        return Some(attention::Heads {
+            data: Cow::Borrowed(t.storage::<f32>()),
+            start: layout.start_offset(),
+            strides: [strides[0] as usize, strides[1] as usize],
+        });
+    }
+    let data = f32_elements(t)?;
+    Some(attention::Heads::contiguous(data, h_kv, tk, d))
 }
 
 /// A contiguous f32 matrix's data and `[rows, cols]`.

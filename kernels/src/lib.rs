@@ -49,6 +49,16 @@ pub struct AttentionOptions {
     pub softcap: Option<f32>,
 }
 
+/// One sequence's share of [`ToyBackend::attention_batch`]: the arguments of
+/// [`ToyBackend::attention`].
+#[derive(Debug, Clone)]
+pub struct AttentionPart<B: Backend> {
+    pub q: FloatTensor<B>,
+    pub k: FloatTensor<B>,
+    pub v: FloatTensor<B>,
+    pub options: AttentionOptions,
+}
+
 /// One AdamW step's settings: burn's `AdamW` with its learning rate and the step number.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {
@@ -214,6 +224,30 @@ pub trait ToyBackend: Backend {
         options: AttentionOptions,
     ) -> FloatTensor<Self> {
         reference::attention::<Self>(q, k, v, options)
+    }
+
+    /// Write `x[b, h, t, d]` into `buffer[b, h, capacity, d]` at tokens `at..at + t` and return
+    /// the buffer (a KV cache's append). Backends write in place when the buffer is theirs
+    /// alone; the default is burn's `slice_assign`, which on Flex copies the whole buffer first
+    /// (its `slice_assign` keeps a second handle to the data while it writes).
+    fn write_tokens(
+        buffer: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        at: usize,
+    ) -> FloatTensor<Self> {
+        reference::write_tokens::<Self>(buffer, x, at)
+    }
+
+    /// [`attention`](Self::attention) of several sequences in one call: a batched pass gives
+    /// each sequence its own queries, keys, values and offset. Backends override it to run every
+    /// sequence's heads in one parallel region instead of one region (or launch) per sequence:
+    /// with many decoding sequences each call has a few rows only, and the per-call cost would
+    /// dominate.
+    fn attention_batch(parts: Vec<AttentionPart<Self>>) -> Vec<FloatTensor<Self>> {
+        parts
+            .into_iter()
+            .map(|p| <Self as ToyBackend>::attention(p.q, p.k, p.v, p.options))
+            .collect()
     }
 
     /// The gradients `(dq, dk, dv)` of [`attention`](Self::attention) for the output gradient

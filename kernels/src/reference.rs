@@ -471,6 +471,17 @@ pub fn attention_backward<B: Backend>(
     )
 }
 
+/// [`crate::ToyBackend::write_tokens`] with burn's `slice_assign`.
+pub fn write_tokens<B: Backend>(
+    buffer: FloatTensor<B>,
+    x: FloatTensor<B>,
+    at: usize,
+) -> FloatTensor<B> {
+    let [b, h, t, d] = x.shape().dims::<4>();
+    let slices = [0..b, 0..h, at..at + t, 0..d].map(burn::tensor::Slice::from);
+    B::float_slice_assign(buffer, &slices, x)
+}
+
 pub fn attention<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,

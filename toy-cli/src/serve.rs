@@ -52,8 +52,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// Context per request in tokens (prompt + completion; default and maximum: the model's).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "ctx_size")]
     pub ctx: Option<usize>,
+    /// Context of all the sequences together, as llama-server's -c: each of the --parallel
+    /// sequences gets an equal share (-c 16384 with --parallel 32: 512 tokens per request).
+    #[arg(short = 'c', long, value_name = "TOKENS")]
+    pub ctx_size: Option<usize>,
     /// The model name clients use (default: the file name without .gguf).
     #[arg(long)]
     pub model_id: Option<String>,
@@ -83,6 +87,21 @@ impl BackendJob for ServeJob {
     fn run<B: ToyBackend>(self, device: B::Device) -> Result<()> {
         let (a, backend) = (self.0, self.1);
         let chat_template = crate::infer::read_chat_template(a.chat_template_file.as_deref())?;
+        // A context shared by the sequences: each gets its share (llama.cpp's n_ctx / n_seq).
+        let ctx = match a.ctx_size {
+            Some(total) => {
+                let share = total / a.parallel.max(1);
+                if share < 2 {
+                    anyhow::bail!(
+                        "--ctx-size {total} leaves {share} tokens to each of --parallel {} sequences: give at least {} tokens",
+                        a.parallel,
+                        2 * a.parallel.max(1)
+                    );
+                }
+                Some(share)
+            }
+            None => a.ctx,
+        };
         let options = ServeOptions {
             model: a.model,
             model_id: a.model_id,
@@ -92,7 +111,7 @@ impl BackendJob for ServeJob {
             max_concurrency: a.parallel,
             batch_tokens: a.batch_tokens,
             max_queue: a.max_queue,
-            ctx: a.ctx,
+            ctx,
             max_body_bytes: a.max_body_bytes,
             events_dir: a.events.then_some(a.runs_dir),
             shutdown_grace: Duration::from_secs_f64(a.shutdown_grace.clamp(0.0, 3600.0)),

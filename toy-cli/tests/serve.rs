@@ -298,17 +298,24 @@ fn openai_client_end_to_end_and_greedy_chat_equals_infer() {
 #[test]
 fn openai_client_on_gemma3_gpt2_phi3_and_granite() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    for (model, template) in [
-        ("tiny-gemma3-q8_0", "gemma3.jinja"),
-        ("tiny-gpt2", "plain.jinja"),
-        ("tiny-phi3-q8_0", "phi3.5.jinja"),
-        ("tiny-granite-q8_0", "granite3.3.jinja"),
+    // Granite's template writes tool calls (`<|tool_call|>[…]`): a forced call comes back as one;
+    // the others have no tool syntax and refuse tools with a 400.
+    for (model, template, tools) in [
+        ("tiny-gemma3-q8_0", "gemma3.jinja", ""),
+        ("tiny-gpt2", "plain.jinja", ""),
+        ("tiny-phi3-q8_0", "phi3.5.jinja", ""),
+        ("tiny-granite-q8_0", "granite3.3.jinja", "tools"),
     ] {
         let model = root().join(format!("fixtures/models/{model}.gguf"));
         let template = root().join("fixtures/chat").join(template);
         let extra = ["--chat-template-file", template.to_str().unwrap()];
         let mut server = Server::start_model(&model, &extra);
-        let out = run_python("openai_e2e.py", &[&server.url, KEY, PROMPT, &N.to_string()]);
+        let n = N.to_string();
+        let mut args = vec![server.url.as_str(), KEY, PROMPT, n.as_str()];
+        if !tools.is_empty() {
+            args.push(tools);
+        }
+        let out = run_python("openai_e2e.py", &args);
         assert_eq!(
             out["greedy_chat"].as_str().unwrap(),
             infer_chat_with(&model, &extra, PROMPT, N),
@@ -638,6 +645,24 @@ fn serve_refuses_bad_options_with_a_message() {
         err.contains("--ctx 999999") && err.contains("8192"),
         "{err}"
     );
+    // A context shared by the sequences (llama-server's -c) must leave each a usable share.
+    let out = toy(&[
+        "serve",
+        model.to_str().unwrap(),
+        "--port",
+        "0",
+        "--parallel",
+        "4",
+        "--ctx-size",
+        "7",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--ctx-size 7 leaves 1 tokens to each of --parallel 4")
+            && !err.contains("panicked"),
+        "{err}"
+    );
     let out = toy(&["serve", "/nonexistent.gguf", "--port", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.gguf"));
@@ -672,6 +697,7 @@ fn serve_refuses_bad_options_with_a_message() {
         "--parallel",
         "--batch-tokens",
         "--ctx",
+        "--ctx-size",
         "--events",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");

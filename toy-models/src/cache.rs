@@ -13,7 +13,8 @@
 //! whether alone (`generate`) or batched (`toy serve`).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use toy_kernels::ToyBackend;
 
 /// Prompt tokens per forward pass, as llama.cpp's default micro-batch (`n_ubatch`): a longer
 /// prompt runs in pieces of this many tokens (the last shorter), by `toy infer` and `toy serve`
@@ -21,19 +22,38 @@ use burn::tensor::{Int, Tensor, TensorData};
 /// runs it.
 pub const PROMPT_CHUNK: usize = 512;
 
-/// Keys and values of the tokens seen so far, per layer: `[batch, n_head_kv, len, head_dim]`.
+/// Keys and values of the tokens seen so far, per layer, in buffers preallocated along the token
+/// axis (`[batch, n_head_kv, capacity, head_dim]`, the first [`KvCache::len`] tokens valid): a
+/// step writes its keys into the free tail in place (burn writes a uniquely held tensor in place,
+/// on the CPU and on cubecl) instead of concatenating the whole history into a new tensor, and
+/// attention reads a view of the valid tokens. A buffer that fills up is regrown to twice its
+/// capacity (or to [`KvCache::reserve`]'s), so a sequence's history is copied O(log n) times in
+/// all, not once per token. llama.cpp preallocates the whole context the same way.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
     layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
     len: usize,
+    /// Tokens the first allocation makes room for (the prompt plus the new tokens a generation
+    /// may add); 0 when unknown.
+    reserve: usize,
 }
+
+/// Capacities are multiples of this many tokens.
+const CAPACITY_STEP: usize = 64;
 
 impl<B: Backend> KvCache<B> {
     pub fn new(n_layer: usize) -> Self {
         KvCache {
             layers: vec![None; n_layer],
             len: 0,
+            reserve: 0,
         }
+    }
+
+    /// Make room for `tokens` tokens in all, so that a generation of known length allocates its
+    /// buffers once (takes effect at the next allocation).
+    pub fn reserve(&mut self, tokens: usize) {
+        self.reserve = self.reserve.max(tokens);
     }
 
     /// A cache from each layer's keys and values, `[batch, n_head_kv, len, head_dim]`, all of
@@ -49,12 +69,28 @@ impl<B: Backend> KvCache<B> {
         KvCache {
             layers: layers.into_iter().map(Some).collect(),
             len,
+            reserve: 0,
         }
     }
 
-    /// Layer `i`'s keys and values (None before the first token).
-    pub fn layer(&self, i: usize) -> Option<&(Tensor<B, 4>, Tensor<B, 4>)> {
-        self.layers.get(i)?.as_ref()
+    /// Layer `i`'s keys and values, `[batch, n_head_kv, len, head_dim]` (None before the first
+    /// token).
+    pub fn layer(&self, i: usize) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
+        let (k, v) = self.layers.get(i)?.as_ref()?;
+        Some((
+            k.clone().narrow(2, 0, self.len),
+            v.clone().narrow(2, 0, self.len),
+        ))
+    }
+
+    /// Tokens the buffers have room for without regrowing.
+    pub fn capacity(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, _)| k.dims()[2])
+            .min()
+            .unwrap_or(0)
     }
 
     /// Tokens held.
@@ -66,31 +102,38 @@ impl<B: Backend> KvCache<B> {
         self.len == 0
     }
 
-    /// A cache of the first `n` tokens of this one (a prefix cache's hit). Shares nothing that
-    /// either side later changes: appending concatenates into new tensors.
+    /// A cache of the first `n` tokens of this one (a prefix cache's hit). It shares the
+    /// buffers until either side writes: burn copies a shared tensor before writing into it, so
+    /// neither sees the other's later tokens.
     pub fn prefix(&self, n: usize) -> Self {
         assert!(
             n <= self.len,
             "prefix of {n} tokens from a cache of {}",
             self.len
         );
-        if n == self.len {
-            return self.clone();
-        }
         KvCache {
-            layers: self
-                .layers
-                .iter()
-                .map(|kv| {
-                    let (k, v) = kv.as_ref()?;
-                    (n > 0).then(|| (k.clone().narrow(2, 0, n), v.clone().narrow(2, 0, n)))
-                })
-                .collect(),
+            layers: if n == 0 {
+                vec![None; self.layers.len()]
+            } else {
+                self.layers.clone()
+            },
             len: n,
+            reserve: 0,
         }
     }
 
-    /// Bytes the keys and values take.
+    /// Drop the free tail of every buffer (a cache kept for later reuse holds only its tokens).
+    pub fn shrink_to_fit(&mut self) {
+        let len = self.len;
+        for (k, v) in self.layers.iter_mut().flatten() {
+            if k.dims()[2] > len {
+                *k = exact(k.clone().narrow(2, 0, len));
+                *v = exact(v.clone().narrow(2, 0, len));
+            }
+        }
+    }
+
+    /// Bytes the key and value buffers take (their whole capacity).
     pub fn bytes(&self) -> usize {
         self.layers
             .iter()
@@ -106,21 +149,77 @@ impl<B: Backend> KvCache<B> {
     pub(crate) fn advance(&mut self, t: usize) {
         self.len += t;
     }
+}
 
-    /// Append this step's keys and values for `layer`; returns everything held for it.
+impl<B: ToyBackend> KvCache<B> {
+    /// Write this step's keys and values for `layer` after the tokens held; returns a view of
+    /// everything held for it, `[batch, n_head_kv, len + t, head_dim]`.
     pub(crate) fn append(
         &mut self,
         layer: usize,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let kv = match self.layers[layer].take() {
-            None => (k, v),
-            Some((pk, pv)) => (Tensor::cat(vec![pk, k], 2), Tensor::cat(vec![pv, v], 2)),
+        let (past, t) = (self.len, k.dims()[2]);
+        let need = past + t;
+        let (kb, vb) = match self.layers[layer].take() {
+            // The first tokens with no room asked for (a training or scoring pass): the step's
+            // own tensors are the buffers, so the pass gains no op.
+            None if self.reserve <= need => {
+                self.layers[layer] = Some((k.clone(), v.clone()));
+                return (k, v);
+            }
+            None => (
+                grow(None, &k, 0, self.reserve),
+                grow(None, &v, 0, self.reserve),
+            ),
+            Some((kb, vb)) if kb.dims()[2] < need => {
+                let capacity = need.max(2 * kb.dims()[2]).max(self.reserve);
+                (
+                    grow(Some(kb), &k, past, capacity),
+                    grow(Some(vb), &v, past, capacity),
+                )
+            }
+            Some(buffers) => buffers,
         };
-        self.layers[layer] = Some(kv.clone());
-        kv
+        let write = |buffer: Tensor<B, 4>, x: Tensor<B, 4>| {
+            let (buffer, x) = (
+                buffer.into_primitive().tensor(),
+                x.into_primitive().tensor(),
+            );
+            Tensor::from_primitive(TensorPrimitive::Float(B::write_tokens(buffer, x, past)))
+        };
+        let (kb, vb) = (write(kb, k), write(vb, v));
+        let held = (kb.clone().narrow(2, 0, need), vb.clone().narrow(2, 0, need));
+        self.layers[layer] = Some((kb, vb));
+        held
     }
+}
+
+/// A buffer shaped like `x` with room for `capacity` tokens (rounded up to [`CAPACITY_STEP`]),
+/// holding the first `past` tokens of `old`.
+fn grow<B: Backend>(
+    old: Option<Tensor<B, 4>>,
+    x: &Tensor<B, 4>,
+    past: usize,
+    capacity: usize,
+) -> Tensor<B, 4> {
+    let [b, h, _, d] = x.dims();
+    let capacity = capacity.next_multiple_of(CAPACITY_STEP);
+    let buffer = Tensor::<B, 4>::zeros([b, h, capacity, d], (&x.device(), x.dtype()));
+    match old {
+        Some(old) if past > 0 => {
+            buffer.slice_assign([0..b, 0..h, 0..past, 0..d], old.narrow(2, 0, past))
+        }
+        _ => buffer,
+    }
+}
+
+/// `x` in a buffer of its own (a view's elements copied out of the tensor it views).
+fn exact<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [b, h, t, d] = x.dims();
+    Tensor::<B, 4>::zeros([b, h, t, d], (&x.device(), x.dtype()))
+        .slice_assign([0..b, 0..h, 0..t, 0..d], x)
 }
 
 /// One sequence's share of a forward pass: `len` new tokens, rows `start..start + len` of the
@@ -205,4 +304,117 @@ pub(crate) fn last_rows<B: Backend>(h: Tensor<B, 3>, segments: &[Segment<'_, B>]
     let n = last.len();
     let index = Tensor::<B, 1, Int>::from_data(TensorData::new(last, [n]), &h.device());
     h.select(1, index).reshape([n, d])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+
+    type B = Flex;
+
+    /// Keys `[1, 2, t, 3]` whose every element is the token's position (so a view shows which
+    /// tokens it holds).
+    fn keys(from: usize, t: usize) -> Tensor<B, 4> {
+        let v: Vec<f32> = (0..2 * t * 3)
+            .map(|i| (from + (i / 3) % t) as f32)
+            .collect();
+        Tensor::from_data(TensorData::new(v, [1, 2, t, 3]), &Default::default())
+    }
+
+    fn positions(k: &Tensor<B, 4>) -> Vec<f32> {
+        let [_, _, t, _] = k.dims();
+        let v = k.clone().into_data().to_vec::<f32>().unwrap();
+        (0..t).map(|j| v[j * 3]).collect()
+    }
+
+    /// Append `t` tokens to both layers of `c` (as a forward pass does) and advance.
+    fn step(c: &mut KvCache<B>, t: usize) -> Tensor<B, 4> {
+        let past = c.len();
+        let (k, _) = c.append(0, keys(past, t), keys(past, t));
+        c.append(1, keys(past, t), keys(past, t));
+        c.advance(t);
+        k
+    }
+
+    #[test]
+    fn appending_writes_into_the_buffers_and_regrows_them_by_doubling() {
+        let mut c = KvCache::<B>::new(2);
+        c.reserve(100);
+        let k = step(&mut c, 7);
+        assert_eq!(positions(&k), (0..7).map(|i| i as f32).collect::<Vec<_>>());
+        assert_eq!(c.capacity(), 128, "the reserve, rounded up to 64");
+        let mut capacities = vec![c.capacity()];
+        for _ in 0..300 {
+            let k = step(&mut c, 1);
+            assert_eq!(k.dims()[2], c.len(), "attention sees the held tokens only");
+            capacities.push(c.capacity());
+        }
+        let held = c.layer(1).unwrap().0;
+        assert_eq!(
+            positions(&held),
+            (0..307).map(|i| i as f32).collect::<Vec<_>>()
+        );
+        capacities.dedup();
+        assert_eq!(
+            capacities,
+            [128, 256, 512],
+            "doubling, not one copy per token"
+        );
+    }
+
+    /// Where layer 0's key buffer lives.
+    fn buffer_address(c: &KvCache<B>) -> usize {
+        let (k, _) = c.layers[0].clone().unwrap();
+        k.into_primitive().tensor().storage::<f32>().as_ptr() as usize
+    }
+
+    #[test]
+    fn a_step_writes_into_the_buffer_it_has_without_copying_it() {
+        let mut c = KvCache::<B>::new(2);
+        c.reserve(64);
+        step(&mut c, 3);
+        let at = buffer_address(&c);
+        for _ in 0..20 {
+            let k = step(&mut c, 1);
+            drop(k); // attention is done with its view before the next step
+            assert_eq!(buffer_address(&c), at, "the buffer was copied");
+        }
+    }
+
+    #[test]
+    fn a_first_pass_with_no_reserve_keeps_its_own_tensors() {
+        // A training or scoring pass: no buffer beyond the tokens.
+        let mut c = KvCache::<B>::new(2);
+        step(&mut c, 5);
+        assert_eq!(c.capacity(), 5);
+        assert_eq!(c.bytes(), 2 * 2 * (2 * 5 * 3) * 4);
+    }
+
+    #[test]
+    fn a_prefix_and_its_source_do_not_see_each_others_tokens() {
+        let mut a = KvCache::<B>::new(2);
+        a.reserve(64);
+        step(&mut a, 10);
+        let mut b = a.prefix(4);
+        // b writes its token 4 where a holds its own token 4: a must keep its value.
+        let v: Vec<f32> = vec![99.0; 2 * 3];
+        let x = Tensor::<B, 4>::from_data(TensorData::new(v, [1, 2, 1, 3]), &Default::default());
+        b.append(0, x.clone(), x.clone());
+        b.append(1, x.clone(), x);
+        b.advance(1);
+        step(&mut a, 1);
+        assert_eq!(
+            positions(&a.layer(0).unwrap().0),
+            (0..11).map(|i| i as f32).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            positions(&b.layer(0).unwrap().0),
+            [0.0, 1.0, 2.0, 3.0, 99.0]
+        );
+        let held = a.bytes();
+        a.shrink_to_fit();
+        assert!(a.bytes() < held);
+        assert_eq!(a.capacity(), 11);
+    }
 }

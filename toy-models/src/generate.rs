@@ -1,13 +1,14 @@
-//! Text generation: one prefill forward over the prompt, then one-token decode steps with the
-//! KV cache. Logits come to the host and the sampler picks the next id there.
+//! Text generation of one sequence (`toy infer`): the prompt, then one-token decode steps, run by
+//! the generation core ([`crate::batch::Batch`]). Logits come to the host and the sampler picks
+//! the next id there.
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Int, Tensor, TensorData};
 use toy_core::sampling::Sampler;
 use toy_kernels::ToyBackend;
 
+use crate::batch::Batch;
 use crate::cache::PROMPT_CHUNK;
 use crate::model::CausalLm;
 
@@ -63,15 +64,6 @@ pub struct GenerateOptions {
     pub stop_at_eog: bool,
 }
 
-/// Logits of one row, on the host.
-fn host_logits<B: ToyBackend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, GenerateError> {
-    logits
-        .into_data()
-        .convert::<f32>() // f16 activations (`--dtype f16`)
-        .into_vec::<f32>()
-        .map_err(|e| GenerateError::Backend(format!("{e:?}")))
-}
-
 /// Generate from `prompt`. `on_token(id)` receives each new id as it is sampled and may stop the
 /// generation by returning `ControlFlow::Break(())` (used for stop strings).
 pub fn generate<B: ToyBackend>(
@@ -92,8 +84,18 @@ pub fn generate<B: ToyBackend>(
             context: model.context_length(),
         });
     }
-    let device = model.device();
     let mut cache = model.new_cache();
+    cache.reserve(prompt.len() + options.max_new_tokens);
+    // One sequence through the generation core that `toy serve` batches many through: the
+    // same prompt pieces and steps, so the same numbers.
+    let mut batch = Batch::new(PROMPT_CHUNK);
+    let seq = batch.add(cache);
+    let mut run = |tokens: &[u32]| {
+        batch.push(seq, tokens);
+        batch
+            .run_until_logits(model, seq)
+            .map_err(|e| GenerateError::Backend(e.message))
+    };
     // The prompt followed by what has been generated (the sampler's penalties read it all).
     let mut history: Vec<u32> = Vec::with_capacity(prompt.len() + options.max_new_tokens);
     history.extend_from_slice(prompt);
@@ -102,17 +104,9 @@ pub fn generate<B: ToyBackend>(
         finish_reason: "length",
         ..Default::default()
     };
-    let to_tensor = |ids: &[u32]| {
-        let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-        let n = ids.len();
-        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device)
-    };
 
     let start = Instant::now();
-    let mut logits = Vec::new();
-    for chunk in prompt.chunks(PROMPT_CHUNK) {
-        logits = host_logits(model.forward_last(to_tensor(chunk), &mut cache))?;
-    }
+    let mut logits = run(prompt)?;
     stats.prompt_time = start.elapsed();
     let decode_start = Instant::now();
     for step in 0..options.max_new_tokens {
@@ -127,7 +121,7 @@ pub fn generate<B: ToyBackend>(
             break;
         }
         if step + 1 < options.max_new_tokens {
-            logits = host_logits(model.forward_last(to_tensor(&[id]), &mut cache))?;
+            logits = run(&[id])?;
         }
     }
     stats.generation_time = decode_start.elapsed();

@@ -15,7 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use toy_core::config::ModelConfig;
 use toy_core::gguf::GgufFile;
-use toy_kernels::{AttentionOptions, ToyBackend};
+use toy_kernels::{AttentionOptions, AttentionPart, ToyBackend};
 
 use crate::cache::{self, KvCache, Segment};
 use crate::llama::gelu_ggml;
@@ -305,7 +305,7 @@ impl<B: ToyBackend> Gpt2Block<B> {
             .qkv
             .forward_adapted(adapter(Target::Qkv), self.attn_norm.forward(x.clone()));
         let n_segments = segments.len();
-        let mut outs = Vec::with_capacity(n_segments);
+        let mut parts = Vec::with_capacity(n_segments);
         for segment in segments.iter_mut() {
             let qkv = cache::rows(&qkv, segment, n_segments);
             let t = segment.len;
@@ -322,16 +322,18 @@ impl<B: ToyBackend> Gpt2Block<B> {
                 window: None,
                 softcap: None,
             };
-            let out = <B as ToyBackend>::attention(
-                heads(0).into_primitive().tensor(),
-                k.into_primitive().tensor(),
-                v.into_primitive().tensor(),
+            parts.push(AttentionPart {
+                q: heads(0).into_primitive().tensor(),
+                k: k.into_primitive().tensor(),
+                v: v.into_primitive().tensor(),
                 options,
-            );
-            outs.push(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(
-                B::merge_heads(out),
-            )));
+            });
         }
+        // Every sequence's attention in one call.
+        let outs = B::attention_batch(parts)
+            .into_iter()
+            .map(|out| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::merge_heads(out))))
+            .collect();
         let h = self
             .wo
             .forward_adapted(adapter(Target::O), cache::join(outs))

@@ -3,8 +3,10 @@
 //! [`llama::Transformer`] is the llama-family model, a normal burn `Module<B>`, and
 //! [`gpt2::Gpt2`] GPT-2; [`load::load`] builds the former from a GGUF file,
 //! [`model::load_model`] either (as a [`model::Model`]), and [`save::save`] writes a llama;
-//! [`generate::Generator`] runs prefill and decode steps with a KV cache and samples on the host.
+//! [`batch::Batch`] is the generation core (sequences stepped together, continuous batching)
+//! that [`generate::generate`] and `toy serve` drive.
 
+pub mod batch;
 pub mod cache;
 pub mod embedding;
 pub mod generate;
@@ -16,6 +18,7 @@ pub mod model;
 pub mod qlinear;
 pub mod save;
 
+pub use batch::{Batch, Ran, SeqId, StepError};
 pub use cache::{KvCache, PROMPT_CHUNK, Segment};
 pub use embedding::TokenEmbedding;
 pub use gpt2::{Gpt2, Gpt2Config};

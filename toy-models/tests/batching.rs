@@ -21,7 +21,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use cubecl::wgpu::WgpuRuntime;
 use toy_kernels::ToyBackend;
-use toy_models::{CausalLm, KvCache};
+use toy_models::{Batch, CausalLm, KvCache, SeqId};
 
 use common::load;
 
@@ -83,69 +83,43 @@ fn alone<B: ToyBackend>(model: &impl CausalLm<B>, prompt: &[u32]) -> Vec<Vec<f32
     rows
 }
 
-struct Sequence<B: ToyBackend> {
-    prompt: Vec<u32>,
-    /// Prompt tokens in the cache.
-    read: usize,
-    cache: KvCache<B>,
-    next: Option<u32>,
-    rows: Vec<Vec<f32>>,
-}
-
-/// The same sequences run together: sequence `i` joins at pass `i / 2`, reads its prompt in
-/// chunks of at most [`CHUNK`], then decodes; every pass carries everyone's new tokens.
+/// The same sequences run together by the generation core (`toy serve`'s and `toy infer`'s
+/// [`Batch`]): sequence `i` joins at pass `i / 2`, reads its prompt in pieces of at most
+/// [`CHUNK`], then decodes greedily; every pass carries everyone's new tokens.
 fn together<B: ToyBackend>(model: &impl CausalLm<B>, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
-    let mut seqs: Vec<Sequence<B>> = prompts
-        .iter()
-        .map(|p| Sequence {
-            prompt: p.clone(),
-            read: 0,
-            cache: model.new_cache(),
-            next: None,
-            rows: Vec::new(),
-        })
-        .collect();
+    let mut batch = Batch::new(usize::MAX).with_prompt_piece(CHUNK);
+    let mut ids: Vec<Option<SeqId>> = vec![None; prompts.len()];
+    let mut rows: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
     let mut pass = 0;
-    while seqs.iter().any(|s| s.rows.len() < STEPS) {
-        let mut tokens = Vec::new();
-        let mut members = Vec::new();
-        for (i, s) in seqs.iter_mut().enumerate() {
-            if i / 2 > pass || s.rows.len() == STEPS {
-                continue;
+    while rows.iter().any(|r| r.len() < STEPS) {
+        for (i, p) in prompts.iter().enumerate() {
+            if i / 2 == pass {
+                let id = batch.add(model.new_cache());
+                batch.push(id, p);
+                ids[i] = Some(id);
             }
-            let new = match s.next {
-                Some(id) => vec![id],
-                None => {
-                    let end = (s.read + CHUNK).min(s.prompt.len());
-                    let chunk = s.prompt[s.read..end].to_vec();
-                    s.read = end;
-                    chunk
-                }
-            };
-            tokens.push(new);
-            members.push(i);
         }
-        let slices: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
-        let caches: Vec<&mut KvCache<B>> = seqs
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| members.contains(i))
-            .map(|(_, s)| &mut s.cache)
-            .collect();
-        let logits = model.forward_batch_last(&slices, caches);
-        let [n, vocab] = logits.dims();
-        assert_eq!(n, members.len());
-        let logits = logits.into_data().into_vec::<f32>().unwrap();
-        for (&i, row) in members.iter().zip(logits.chunks(vocab)) {
-            let s = &mut seqs[i];
-            if s.next.is_some() || s.read == s.prompt.len() {
-                s.next = Some(argmax(row));
-                s.rows.push(row.to_vec());
+        let ran = batch.step(model).unwrap();
+        assert_eq!(
+            ran.len(),
+            batch.len(),
+            "every sequence with tokens queued runs in each pass"
+        );
+        for r in ran {
+            let i = ids.iter().position(|&id| id == Some(r.id)).unwrap();
+            if let Some(logits) = r.logits {
+                let next = argmax(&logits);
+                rows[i].push(logits);
+                if rows[i].len() < STEPS {
+                    batch.push(r.id, &[next]);
+                } else {
+                    batch.remove(r.id);
+                }
             }
         }
         pass += 1;
     }
-    seqs.into_iter().map(|s| s.rows).collect()
+    rows
 }
 
 fn prompts(file: &toy_core::gguf::GgufFile) -> Vec<Vec<u32>> {

@@ -2,15 +2,15 @@
 //! over a channel and get tokens back over per-request channels.
 //!
 //! Scheduling (continuous batching, as llama-server's unified batch): up to `max_concurrency`
-//! sequences are active at once, each with its own KV cache. Each turn is **one forward pass
-//! over all of them**: a decode token for every generating sequence, plus whole prompt chunks
-//! ([`PREFILL_CHUNK`] tokens, the last shorter) of the ones still reading their prompt while
-//! they fit in `batch_tokens` (the first always goes) — decode tokens first, so a long prompt
-//! cannot stall the streams. Decode is bound by reading the weights, so a pass over many
-//! sequences costs little more than a pass over one. Each sequence's logits are those it gets
-//! alone — its rows are declared to the kernels (`CausalLm::forward_batch_last`) and its prompt
-//! runs in `toy infer`'s pieces — so its tokens are `toy infer`'s. Jobs
-//! beyond `max_concurrency` wait in arrival order. A sequence whose receiver is gone (the
+//! sequences are active at once, in the generation core that `toy infer` also runs
+//! ([`toy_models::Batch`]: each sequence's KV cache and queued tokens). Each turn samples every
+//! generating sequence's next token, queues it, and runs **one forward pass over all of them**:
+//! the decode tokens plus whole prompt pieces of the ones still reading their prompt while they
+//! fit in `batch_tokens` (the first always goes) — so a long prompt cannot stall the streams.
+//! Decode is bound by reading the weights, so a pass over many sequences costs little more than
+//! a pass over one. Each sequence's logits are those it gets alone — its rows are declared to
+//! the kernels (`CausalLm::forward_batch_last`) and its prompt runs in `toy infer`'s pieces —
+//! so its tokens are `toy infer`'s. Jobs beyond `max_concurrency` wait in arrival order. A sequence whose receiver is gone (the
 //! client disconnected, the handler was dropped) is removed before the next pass: its slot is
 //! free at once. Prompts scored for `echo` + `logprobs` need every position's logits and run
 //! on their own pass.
@@ -33,15 +33,12 @@ use toy_core::gguf::GgufFile;
 use toy_core::sampling::{Sampler, SamplingParams, StopStrings};
 use toy_core::tokenizer::{StreamDecoder, Tokenizer};
 use toy_kernels::ToyBackend;
-use toy_models::{CausalLm, KvCache, Model};
+use toy_models::{Batch, CausalLm, KvCache, Model, SeqId};
 
 use crate::grammar::{Constraint, Grammars};
 use crate::prefix_cache::{Hit, PrefixCache};
 use crate::state::Shared;
 
-/// Prompt tokens one sequence runs in one pass, as `toy infer` does (so that its numbers are
-/// `toy infer`'s whatever else is in the pass).
-pub const PREFILL_CHUNK: usize = toy_models::PROMPT_CHUNK;
 /// Prompt chunk when every position's logits are needed (echo with logprobs): `vocab × chunk`
 /// floats come to the host.
 const SCORE_CHUNK: usize = 32;
@@ -220,7 +217,7 @@ pub fn run<B: ToyBackend>(
         tokenizer: &info.tokenizer,
         shared: &shared,
         max_concurrency: config.max_concurrency.max(1),
-        batch_tokens: config.batch_tokens.max(1),
+        batch: Batch::new(config.batch_tokens),
         queue: VecDeque::new(),
         active: Vec::new(),
         prefix: PrefixCache::new(config.cache_ram),
@@ -280,9 +277,10 @@ struct Engine<'m, B: ToyBackend> {
     tokenizer: &'m Tokenizer,
     shared: &'m Shared,
     max_concurrency: usize,
-    batch_tokens: usize,
+    /// The active sequences' caches and queued tokens; each turn is one of its steps.
+    batch: Batch<B>,
     queue: VecDeque<(Job, Instant)>,
-    active: Vec<Sequence<'m, B>>,
+    active: Vec<Sequence<'m>>,
     prefix: PrefixCache<B>,
 }
 
@@ -352,6 +350,7 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
                         self.tokenizer,
                         self.model,
                         hit,
+                        &mut self.batch,
                     ));
                 }
             }
@@ -359,68 +358,75 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
     }
 
     /// One forward pass for all active sequences: each generating one samples its next token
-    /// and contributes it, prompt chunks fill the rest of the token budget.
+    /// and queues it, prompt pieces fill the rest of the token budget.
     fn turn(&mut self) {
         let tokenizer = self.tokenizer;
         let model = self.model;
         let metrics = &self.shared.metrics;
-        // What each active sequence puts in this pass (index into `active`, its tokens).
-        let mut batch: Vec<(usize, Vec<u32>)> = Vec::new();
-        let mut prompts = Vec::new();
-        let mut ended: Vec<(usize, Result<(), String>)> = Vec::new();
-        for (i, seq) in self.active.iter_mut().enumerate() {
+        let mut ended: Vec<(SeqId, Result<(), String>)> = Vec::new();
+        for seq in self.active.iter_mut() {
             if seq.tx.is_closed() {
-                ended.push((i, Err(String::new())));
+                ended.push((seq.slot, Err(String::new())));
                 continue;
             }
             let next = catch_unwind(AssertUnwindSafe(|| seq.next(tokenizer, metrics)))
                 .unwrap_or_else(|_| Err("the sampler panicked".into()));
             match next {
-                Ok(Next::Finished) => ended.push((i, Ok(()))),
-                Ok(Next::Decode(id)) => batch.push((i, vec![id])),
-                Ok(Next::Prompt) => prompts.push(i),
+                Ok(Next::Finished) => ended.push((seq.slot, Ok(()))),
+                Ok(Next::Decode(id)) => self.batch.push(seq.slot, &[id]),
+                Ok(Next::Prompt) => {} // queued in the batch when it was admitted
                 Ok(Next::Score) => {
                     // Every position's logits: a pass of its own.
+                    let cache = self.batch.cache_mut(seq.slot).expect("an active sequence");
                     let outcome =
-                        catch_unwind(AssertUnwindSafe(|| seq.score_chunk(model, metrics)))
+                        catch_unwind(AssertUnwindSafe(|| seq.score_chunk(model, cache, metrics)))
                             .unwrap_or_else(|_| Err("the model panicked during the prompt".into()));
                     if let Err(e) = outcome {
-                        ended.push((i, Err(e)));
+                        ended.push((seq.slot, Err(e)));
                     }
                 }
-                Err(e) => ended.push((i, Err(e))),
+                Err(e) => ended.push((seq.slot, Err(e))),
             }
         }
-        // Whole prompt chunks, in arrival order, while they fit in the budget: a chunk is never
-        // cut to fit (a prompt runs in the same pieces under any load). The first one always
-        // goes, so that prompts move on however many sequences decode.
-        let mut budget = self.batch_tokens.saturating_sub(batch.len());
-        for (n, i) in prompts.into_iter().enumerate() {
-            let chunk = self.active[i].prompt_chunk(PREFILL_CHUNK);
-            if n > 0 && chunk.len() > budget {
-                break;
-            }
-            budget = budget.saturating_sub(chunk.len());
-            batch.push((i, chunk));
-        }
-        if !batch.is_empty() {
-            if let Err(e) = self.pass(&batch) {
-                ended.extend(batch.iter().map(|(i, _)| (*i, Err(e.clone()))));
+        // A sequence that ended does not run again.
+        let mut removed: Vec<(Sequence<'m>, KvCache<B>, Result<(), String>)> = Vec::new();
+        for (slot, outcome) in ended {
+            if let Some(i) = self.active.iter().position(|s| s.slot == slot) {
+                let seq = self.active.swap_remove(i);
+                let cache = self.batch.remove(slot).expect("an active sequence");
+                removed.push((seq, cache, outcome));
             }
         }
-        // Remove the ended ones, highest index first so the others keep theirs.
-        ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
-        ended.dedup_by_key(|(i, _)| *i);
-        for (i, outcome) in ended {
-            let seq = self.active.swap_remove(i);
+        match self.batch.step(model) {
+            Ok(ran) => {
+                if !ran.is_empty() {
+                    self.shared.metrics.pass(ran.len());
+                }
+                for r in ran {
+                    if let Some(seq) = self.active.iter_mut().find(|s| s.slot == r.id) {
+                        seq.take_logits(r.tokens, r.logits, metrics);
+                    }
+                }
+            }
+            Err(e) => {
+                for slot in e.ids {
+                    if let Some(i) = self.active.iter().position(|s| s.slot == slot) {
+                        let seq = self.active.swap_remove(i);
+                        let cache = self.batch.remove(slot).expect("an active sequence");
+                        removed.push((seq, cache, Err(e.message.clone())));
+                    }
+                }
+            }
+        }
+        for (seq, cache, outcome) in removed {
             match outcome {
                 Ok(()) => {
                     self.shared.metrics.finished(&seq);
-                    self.keep_prefix(seq);
+                    self.keep_prefix(seq, cache);
                 }
                 Err(message) if message.is_empty() => {
                     self.shared.metrics.cancelled(1);
-                    self.keep_prefix(seq);
+                    self.keep_prefix(seq, cache);
                 }
                 Err(message) => {
                     // Its cache may hold a pass's keys in some layers only: not kept.
@@ -432,7 +438,7 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
     }
 
     /// Leave an ended sequence's keys and values in the prefix cache.
-    fn keep_prefix(&mut self, seq: Sequence<'m, B>) {
+    fn keep_prefix(&mut self, seq: Sequence<'m>, cache: KvCache<B>) {
         if !seq.params.cache_prompt {
             return;
         }
@@ -440,41 +446,10 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
         // less of the prompt when cancelled while reading it.
         let mut tokens = seq.params.prompt;
         tokens.extend(seq.generated);
-        tokens.truncate(seq.cache.len());
-        self.prefix.insert(tokens, seq.cache);
+        tokens.truncate(cache.len());
+        self.prefix.insert(tokens, cache);
         let (bytes, entries) = self.prefix.usage();
         self.shared.metrics.set_prefix_cache(bytes, entries);
-    }
-
-    /// Run `batch` (index into `active`, new tokens) as one forward pass and hand each sequence
-    /// its logits.
-    fn pass(&mut self, batch: &[(usize, Vec<u32>)]) -> Result<(), String> {
-        let model = self.model;
-        let tokens: Vec<&[u32]> = batch.iter().map(|(_, t)| t.as_slice()).collect();
-        let mut in_batch = vec![false; self.active.len()];
-        batch.iter().for_each(|(i, _)| in_batch[*i] = true);
-        // `batch` lists decode tokens before prompt chunks, not in `active` order: line the
-        // caches up with it.
-        let mut caches: Vec<Option<&mut KvCache<B>>> = self
-            .active
-            .iter_mut()
-            .zip(&in_batch)
-            .map(|(s, &used)| used.then_some(&mut s.cache))
-            .collect();
-        let caches: Vec<&mut KvCache<B>> = batch
-            .iter()
-            .map(|(i, _)| caches[*i].take().expect("each sequence once per pass"))
-            .collect();
-        let logits = catch_unwind(AssertUnwindSafe(|| {
-            host(model.forward_batch_last(&tokens, caches))
-        }))
-        .unwrap_or_else(|_| Err("the model panicked during generation".into()))?;
-        self.shared.metrics.pass(batch.len());
-        let vocab = logits.len() / batch.len();
-        for ((i, tokens), row) in batch.iter().zip(logits.chunks(vocab)) {
-            self.active[*i].take_logits(tokens.len(), row, &self.shared.metrics);
-        }
-        Ok(())
     }
 
     fn publish_gauges(&self) {
@@ -485,6 +460,7 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
 
     fn abort_all(&mut self, message: &str) {
         for seq in self.active.drain(..) {
+            self.batch.remove(seq.slot);
             let _ = seq
                 .tx
                 .send((seq.params.index, GenEvent::Error(message.to_string())));
@@ -547,10 +523,11 @@ enum Next {
 }
 
 /// One sequence being generated.
-pub(crate) struct Sequence<'t, B: ToyBackend> {
+pub(crate) struct Sequence<'t> {
     pub(crate) params: GenParams,
     tx: GenSender,
-    cache: KvCache<B>,
+    /// Its place in the engine's [`Batch`] (which holds its cache).
+    slot: SeqId,
     /// Prompt tokens already in the cache.
     prefilled: usize,
     /// Of those, the ones the prefix cache gave.
@@ -569,25 +546,34 @@ pub(crate) struct Sequence<'t, B: ToyBackend> {
     pub(crate) first_token: Option<Instant>,
 }
 
-impl<'t, B: ToyBackend> Sequence<'t, B> {
-    fn new(
+impl<'t> Sequence<'t> {
+    fn new<B: ToyBackend>(
         mut params: GenParams,
         tx: GenSender,
         enqueued: Instant,
         tokenizer: &'t Tokenizer,
         model: &Model<B>,
         hit: Option<Hit<B>>,
+        batch: &mut Batch<B>,
     ) -> Self {
-        let (cache, cached) = match hit {
+        let (mut cache, cached) = match hit {
             Some(hit) => (hit.cache, hit.len),
             None => (model.new_cache(), 0),
         };
+        // Room for the prompt and the first tokens up front; a longer answer regrows the
+        // buffers (doubling), so a large `max_tokens` does not hold memory it may never use.
+        cache.reserve(params.prompt.len() + params.max_tokens.min(256));
+        let slot = batch.add(cache);
+        // The prompt is queued now, unless scored outside the batch's steps (`score_chunk`).
+        if !params.prompt_logprobs && params.max_tokens > 0 {
+            batch.push(slot, &params.prompt[cached..]);
+        }
         Sequence {
             sampler: Sampler::new(params.sampling.clone()),
             constraint: params.constraint.take(),
             stops: StopStrings::new(params.stop.clone()),
             decoder: StreamDecoder::new(tokenizer),
-            cache,
+            slot,
             prefilled: cached,
             cached,
             logits: None,
@@ -675,30 +661,29 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         Ok(Next::Decode(id))
     }
 
-    /// The next at most `most` prompt tokens not yet in the cache.
-    fn prompt_chunk(&self, most: usize) -> Vec<u32> {
-        let prompt = &self.params.prompt;
-        let end = (self.prefilled + most).min(prompt.len());
-        prompt[self.prefilled..end].to_vec()
-    }
-
-    /// After a pass that ran `n` new tokens of this sequence: `logits` are its last token's.
-    fn take_logits(&mut self, n: usize, logits: &[f32], metrics: &crate::metrics::Metrics) {
+    /// After a step that ran `n` of this sequence's queued tokens: `logits` are its next
+    /// token's once everything queued has run.
+    fn take_logits(
+        &mut self,
+        n: usize,
+        logits: Option<Vec<f32>>,
+        metrics: &crate::metrics::Metrics,
+    ) {
         if self.prefilled < self.params.prompt.len() {
             self.prefilled += n;
             metrics.prompt_tokens(n);
-            if self.prefilled < self.params.prompt.len() {
-                return; // a middle chunk: only the cache matters
-            }
         }
-        self.logits = Some(logits.to_vec());
+        if logits.is_some() {
+            self.logits = logits;
+        }
     }
 
     /// Run the next prompt chunk alone, keeping every position's log-probability (`echo` with
     /// `logprobs`).
-    fn score_chunk(
+    fn score_chunk<B: ToyBackend>(
         &mut self,
         model: &Model<B>,
+        cache: &mut KvCache<B>,
         metrics: &crate::metrics::Metrics,
     ) -> Result<(), String> {
         let prompt = &self.params.prompt;
@@ -709,7 +694,7 @@ impl<'t, B: ToyBackend> Sequence<'t, B> {
         if start == 0 {
             self.prompt_logprobs.push(None);
         }
-        let logits = host(model.forward(tokens, &mut self.cache))?;
+        let logits = host(model.forward(tokens, cache))?;
         let vocab = logits.len() / (end - start);
         let k = self.params.logprobs.unwrap_or(0);
         for (row, pos) in logits.chunks(vocab).zip(start..end) {

@@ -5,8 +5,6 @@ use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use toy_kernels::ToyBackend;
-
 use crate::engine::Sequence;
 
 /// Upper bounds (seconds) of the latency histogram buckets.
@@ -117,7 +115,7 @@ impl Metrics {
         self.sequences_failed.fetch_add(n, Ordering::Relaxed);
     }
 
-    pub(crate) fn finished<B: ToyBackend>(&self, seq: &Sequence<'_, B>) {
+    pub(crate) fn finished(&self, seq: &Sequence<'_>) {
         self.sequences_finished.fetch_add(1, Ordering::Relaxed);
         let mut t = self.lock();
         t.queue.observe((seq.started - seq.enqueued).as_secs_f64());

@@ -76,14 +76,16 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// Keep `cache`, which holds `tokens` (the prompt and the generated tokens that were run).
-    pub fn insert(&mut self, tokens: Vec<u32>, cache: KvCache<B>) {
+    pub fn insert(&mut self, tokens: Vec<u32>, mut cache: KvCache<B>) {
         debug_assert_eq!(tokens.len(), cache.len());
-        let bytes = cache.bytes();
-        if tokens.is_empty() || bytes > self.budget {
+        // Already covered by an entry this one is a prefix of?
+        if tokens.is_empty() || self.entries.iter().any(|e| e.tokens.starts_with(&tokens)) {
             return;
         }
-        // Already covered by an entry this one is a prefix of?
-        if self.entries.iter().any(|e| e.tokens.starts_with(&tokens)) {
+        // A generation's buffers have room for tokens it never ran: keep only what it holds.
+        cache.shrink_to_fit();
+        let bytes = cache.bytes();
+        if bytes > self.budget {
             return;
         }
         // Entries this one extends answer nothing it cannot.

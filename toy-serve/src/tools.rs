@@ -3,10 +3,17 @@
 //! the model's tool-call syntax parsed back into OpenAI `tool_calls` — whole, or as streamed
 //! deltas ([`CallSplitter`]).
 //!
-//! The syntax toy reads is the Hermes one that Qwen 2.5/3, SmolLM3, Hermes and many fine-tunes
-//! use: `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`, one block per call
-//! (llama.cpp's `COMMON_CHAT_FORMAT_HERMES_2_PRO`). A template that never writes `<tool_call>`
-//! has no syntax toy knows, and a request with tools gets a 400 saying so.
+//! The syntaxes toy reads ([`Syntax`]), chosen by what the model's chat template writes:
+//! - Hermes, as Qwen 2.5/3, SmolLM3, Hermes and many fine-tunes write it:
+//!   `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`, one block per call (llama.cpp's
+//!   `COMMON_CHAT_FORMAT_HERMES_2_PRO`);
+//! - Mistral (v3 to v7 templates): `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}`
+//!   to the end of the output (llama.cpp's `COMMON_CHAT_FORMAT_MISTRAL_NEMO`);
+//! - Granite 3: `<|tool_call|>` then a JSON array of calls to the end of the output (llama.cpp's
+//!   `COMMON_CHAT_FORMAT_GRANITE`).
+//!
+//! A template that writes none of these markers has no syntax toy knows, and a request with
+//! tools gets a 400 saying so.
 //!
 //! `tool_choice`: `auto` (the default) lets the model choose and parses what it wrote; `required`
 //! and a named function constrain the output with a grammar (llguidance, as structured output
@@ -17,8 +24,50 @@ use serde_json::{Value, json};
 
 use crate::error::ApiError;
 
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+/// How a model writes its tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Syntax {
+    /// What starts the calls (the model's special token, rendered as text).
+    open: &'static str,
+    /// What ends one call's block; None: the calls run to the end of the output.
+    close: Option<&'static str>,
+    /// The body is a JSON array of calls (else one call object per block).
+    list: bool,
+}
+
+impl Syntax {
+    pub const HERMES: Syntax = Syntax {
+        open: "<tool_call>",
+        close: Some("</tool_call>"),
+        list: false,
+    };
+    pub const MISTRAL: Syntax = Syntax {
+        open: "[TOOL_CALLS]",
+        close: None,
+        list: true,
+    };
+    pub const GRANITE: Syntax = Syntax {
+        open: "<|tool_call|>",
+        close: None,
+        list: true,
+    };
+
+    /// The syntax `template` writes tool calls in, if toy knows it.
+    pub fn of_template(template: &str) -> Option<Syntax> {
+        [Syntax::HERMES, Syntax::MISTRAL, Syntax::GRANITE]
+            .into_iter()
+            .find(|s| template.contains(s.open))
+    }
+
+    /// The calls a block's body holds, if it is one (a list syntax's body is an array of them).
+    fn parse_body(&self, body: &str) -> Option<Vec<ToolCall>> {
+        let v: Value = serde_json::from_str(body.trim()).ok()?;
+        match v {
+            Value::Array(items) if self.list => items.iter().map(call_of).collect(),
+            v => Some(vec![call_of(&v)?]),
+        }
+    }
+}
 
 /// What the request asked of its tools.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,11 +91,8 @@ pub struct ToolRequest {
     parallel: bool,
     /// Each function's name and `parameters` schema (`{"type": "object"}` when absent).
     functions: Vec<(String, Value)>,
-}
-
-/// Whether `template` writes Hermes-style tool calls.
-pub fn template_has_tool_syntax(template: &str) -> bool {
-    template.contains(OPEN)
+    /// How the model writes its calls.
+    pub syntax: Syntax,
 }
 
 /// Check `tools` and `tool_choice`. `Ok(None)`: no tools, or `tool_choice: "none"`.
@@ -145,26 +191,29 @@ pub fn check(
             )),
         };
     }
-    if !template_has_tool_syntax(template) {
+    let Some(syntax) = Syntax::of_template(template) else {
         return Err(invalid(
             "tools",
-            "this model's chat template has no tool-call syntax toy knows (Hermes-style <tool_call> blocks): \
+            "this model's chat template has no tool-call syntax toy knows (Hermes <tool_call> blocks, Mistral [TOOL_CALLS], Granite <|tool_call|>): \
              start toy serve with a --chat-template-file that has one, or send the request without tools"
                 .into(),
         ));
-    }
+    };
     Ok(Some(ToolRequest {
         tools: Value::Array(list.to_vec()),
         choice,
         parallel,
         functions,
+        syntax,
     }))
 }
 
 impl ToolRequest {
     /// The grammar that forces a call (`required`, or a named function), as Lark for
-    /// llguidance: one or more `<tool_call>` blocks, each an object with one of the allowed
-    /// names and arguments following that function's schema. `None` for `auto`.
+    /// llguidance: in the template's syntax, one or more calls (`<tool_call>` blocks, or the
+    /// marker and an array), each an object with one of the allowed names and arguments
+    /// following that function's schema. `None` for `auto`. The marker is forced as text: the
+    /// model writes it with ordinary tokens, which decode to the same text.
     pub fn grammar(&self) -> Option<llguidance::api::TopLevelGrammar> {
         let one = |name: &str, parameters: &Value| {
             json!({
@@ -181,12 +230,25 @@ impl ToolRequest {
                 "anyOf": self.functions.iter().map(|(n, p)| one(n, p)).collect::<Vec<_>>()
             }),
         };
-        let mut schema = schema;
-        schema["x-guidance"] = crate::grammar::json_layout();
-        let repeat = if self.parallel { "+" } else { "" };
-        let lark = format!(
-            "start: call{repeat}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {schema}\n"
-        );
+        let open = self.syntax.open;
+        let lark = match self.syntax.close {
+            Some(close) => {
+                let mut schema = schema;
+                schema["x-guidance"] = crate::grammar::json_layout();
+                let repeat = if self.parallel { "+" } else { "" };
+                format!(
+                    "start: call{repeat}\ncall: \"{open}\\n\" body \"\\n{close}\"\nbody: %json {schema}\n"
+                )
+            }
+            None => {
+                let mut array = json!({"type": "array", "items": schema, "minItems": 1});
+                if !self.parallel {
+                    array["maxItems"] = json!(1);
+                }
+                array["x-guidance"] = crate::grammar::json_layout();
+                format!("start: \"{open}\" body\nbody: %json {array}\n")
+            }
+        };
         Some(llguidance::api::TopLevelGrammar::from_lark(lark))
     }
 }
@@ -222,10 +284,9 @@ impl ToolCall {
     }
 }
 
-/// The body of a `<tool_call>` block as a call, if it is one (`{"name": …, "arguments": …}`;
-/// arguments given as a JSON string are kept as that string).
-fn parse_call(body: &str) -> Option<ToolCall> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
+/// A JSON call as a call, if it is one (`{"name": …, "arguments": …}`; arguments given as a
+/// JSON string are kept as that string).
+fn call_of(v: &Value) -> Option<ToolCall> {
     let name = v.get("name")?.as_str()?.to_string();
     let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
         None | Some(Value::Null) => "{}".to_string(),
@@ -237,8 +298,8 @@ fn parse_call(body: &str) -> Option<ToolCall> {
 
 /// What a generated text says: content before the calls (None when only whitespace) and the
 /// calls. A block that does not parse stays in the content, as the model wrote it.
-pub fn parse(text: &str) -> (Option<String>, Vec<ToolCall>) {
-    let mut splitter = CallSplitter::default();
+pub fn parse(text: &str, syntax: Syntax) -> (Option<String>, Vec<ToolCall>) {
+    let mut splitter = CallSplitter::new(syntax);
     let mut pieces = splitter.push(text);
     pieces.extend(splitter.finish());
     let mut content = String::new();
@@ -265,43 +326,56 @@ pub enum Piece {
 }
 
 /// Splits streamed text into content and calls: text passes through at once except what could
-/// be the start of `<tool_call>`, which waits until it is known; a block is held until its
-/// `</tool_call>` and comes out as one call.
-#[derive(Debug, Default)]
+/// be the start of the syntax's marker, which waits until it is known; a block is held until
+/// its end (`</tool_call>`, or the end of the output for the list syntaxes) and comes out as
+/// its calls.
+#[derive(Debug)]
 pub struct CallSplitter {
+    syntax: Syntax,
     pending: String,
     in_call: bool,
 }
 
 impl CallSplitter {
+    pub fn new(syntax: Syntax) -> Self {
+        CallSplitter {
+            syntax,
+            pending: String::new(),
+            in_call: false,
+        }
+    }
+
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.pending.push_str(text);
+        let Syntax { open, close, .. } = self.syntax;
         let mut out = Vec::new();
         loop {
             if self.in_call {
-                let Some(end) = self.pending.find(CLOSE) else {
+                // A list runs to the end of the output: `finish` parses it.
+                let Some(close) = close else { break };
+                let Some(end) = self.pending.find(close) else {
                     break;
                 };
                 let block = self.pending[..end].to_string();
-                self.pending.drain(..end + CLOSE.len());
+                self.pending.drain(..end + close.len());
                 self.in_call = false;
-                match parse_call(&block) {
-                    Some(call) => out.push(Piece::Call(call)),
-                    None => out.push(Piece::Text(format!("{OPEN}{block}{CLOSE}"))),
+                match self.syntax.parse_body(&block) {
+                    Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
+                    None => out.push(Piece::Text(format!("{open}{block}{close}"))),
                 }
-            } else if let Some(start) = self.pending.find(OPEN) {
+            } else if let Some(start) = self.pending.find(open) {
                 if start > 0 {
                     out.push(Piece::Text(self.pending[..start].to_string()));
                 }
-                self.pending.drain(..start + OPEN.len());
+                self.pending.drain(..start + open.len());
                 self.in_call = true;
             } else {
-                // Keep the longest tail that is a prefix of `<tool_call>`.
-                let keep = (1..OPEN.len().min(self.pending.len() + 1))
+                // Keep the longest tail that is a prefix of the marker.
+                let keep = (1..open.len().min(self.pending.len() + 1))
                     .rev()
                     .find(|&k| {
                         self.pending.is_char_boundary(self.pending.len() - k)
-                            && OPEN.starts_with(&self.pending[self.pending.len() - k..])
+                            && open.starts_with(&self.pending[self.pending.len() - k..])
                     })
                     .unwrap_or(0);
                 let emit = self.pending.len() - keep;
@@ -315,11 +389,17 @@ impl CallSplitter {
         out
     }
 
-    /// The end of the output: what was held back is text (an unclosed block included).
+    /// The end of the output: a list syntax's calls, and what was held back as text (an
+    /// unclosed or unparsable block included).
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut rest = std::mem::take(&mut self.pending);
         if std::mem::take(&mut self.in_call) {
-            rest.insert_str(0, OPEN);
+            if self.syntax.close.is_none()
+                && let Some(calls) = self.syntax.parse_body(&rest)
+            {
+                return calls.into_iter().map(Piece::Call).collect();
+            }
+            rest.insert_str(0, self.syntax.open);
         }
         if rest.is_empty() {
             vec![]
@@ -364,6 +444,11 @@ mod tests {
 
     const HERMES: &str =
         "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}";
+    const H: Syntax = Syntax::HERMES;
+
+    fn parse_hermes(text: &str) -> (Option<String>, Vec<ToolCall>) {
+        parse(text, H)
+    }
 
     fn weather() -> Value {
         json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -374,7 +459,7 @@ mod tests {
 
     #[test]
     fn parses_calls_and_content() {
-        let (content, calls) = parse(
+        let (content, calls) = parse_hermes(
             "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
         );
         assert_eq!(content.as_deref(), Some("Let me look."));
@@ -392,10 +477,10 @@ mod tests {
             ]
         );
         // No call: all content, whitespace kept. A broken block stays text.
-        assert_eq!(parse(" hi ").0.as_deref(), Some(" hi "));
+        assert_eq!(parse_hermes(" hi ").0.as_deref(), Some(" hi "));
         let broken = "<tool_call>\n{not json}\n</tool_call>";
-        assert_eq!(parse(broken), (Some(broken.to_string()), vec![]));
-        let (content, calls) = parse("<tool_call>{\"name\": \"f\"");
+        assert_eq!(parse_hermes(broken), (Some(broken.to_string()), vec![]));
+        let (content, calls) = parse_hermes("<tool_call>{\"name\": \"f\"");
         assert!(calls.is_empty());
         assert_eq!(content.as_deref(), Some("<tool_call>{\"name\": \"f\""));
     }
@@ -404,7 +489,7 @@ mod tests {
     fn streamed_pieces_equal_the_whole_parse_at_every_split() {
         let text = "ok <tool <tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": \"é<\"}}\n</tool_call> tail <tool_ca";
         let whole = {
-            let mut s = CallSplitter::default();
+            let mut s = CallSplitter::new(H);
             let mut p = s.push(text);
             p.extend(s.finish());
             p
@@ -420,7 +505,7 @@ mod tests {
             out
         };
         for step in 1..8 {
-            let mut s = CallSplitter::default();
+            let mut s = CallSplitter::new(H);
             let mut pieces = Vec::new();
             let chars: Vec<char> = text.chars().collect();
             for chunk in chars.chunks(step) {
@@ -497,6 +582,85 @@ mod tests {
         }
     }
 
+    #[test]
+    fn mistral_and_granite_calls_are_a_list_after_their_marker() {
+        let mistral = "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}{% endif %}{% endfor %}";
+        let granite = "<|start_of_role|>system<|end_of_role|>Call tools as <|tool_call|>[...]";
+        assert_eq!(Syntax::of_template(HERMES), Some(Syntax::HERMES));
+        assert_eq!(Syntax::of_template(mistral), Some(Syntax::MISTRAL));
+        assert_eq!(Syntax::of_template(granite), Some(Syntax::GRANITE));
+        assert_eq!(Syntax::of_template("{{ messages }}"), None);
+        let two = vec![
+            ToolCall {
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris"}"#.into(),
+            },
+            ToolCall {
+                name: "f".into(),
+                arguments: "{}".into(),
+            },
+        ];
+        let (content, calls) = parse(
+            r#"[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}]"#,
+            Syntax::MISTRAL,
+        );
+        assert_eq!((content, calls), (None, two.clone()));
+        let (content, calls) = parse(
+            r#"Sure. <|tool_call|>[{"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}]"#,
+            Syntax::GRANITE,
+        );
+        assert_eq!(content.as_deref(), Some("Sure."));
+        assert_eq!(calls, two[..1]);
+        // A cut or broken list stays text, as the model wrote it.
+        let cut = r#"[TOOL_CALLS][{"name": "f", "argum"#;
+        assert_eq!(parse(cut, Syntax::MISTRAL), (Some(cut.to_string()), vec![]));
+        // Streamed in any pieces, the calls come out at the end, after the text before them.
+        let text = r#"ok [TOOL [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f"}]"#;
+        for step in 1..6 {
+            let mut s = CallSplitter::new(Syntax::MISTRAL);
+            let mut pieces = Vec::new();
+            let chars: Vec<char> = text.chars().collect();
+            for chunk in chars.chunks(step) {
+                pieces.extend(s.push(&chunk.iter().collect::<String>()));
+            }
+            pieces.extend(s.finish());
+            let texts: String = pieces
+                .iter()
+                .filter_map(|p| match p {
+                    Piece::Text(t) => Some(t.as_str()),
+                    Piece::Call(_) => None,
+                })
+                .collect();
+            let calls: Vec<ToolCall> = pieces
+                .into_iter()
+                .filter_map(|p| match p {
+                    Piece::Call(c) => Some(c),
+                    Piece::Text(_) => None,
+                })
+                .collect();
+            assert_eq!(texts, "ok [TOOL ", "step {step}");
+            assert_eq!(calls, two, "step {step}");
+        }
+    }
+
+    #[test]
+    fn forced_calls_in_a_list_syntax_follow_the_schema() {
+        // One call (parallel_tool_calls off: the array holds one item, so random logits end it).
+        let mistral = "{% if tools %}[TOOL_CALLS]{% endif %}";
+        let r = check(Some(&weather()), Some(&json!("required")), false, mistral)
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.syntax, Syntax::MISTRAL);
+        let text = crate::grammar::tests::sample_with_random_logits(r.grammar().unwrap(), 11);
+        assert!(text.starts_with("[TOOL_CALLS]"), "{text}");
+        let (content, calls) = parse(&text, r.syntax);
+        assert_eq!(content, None, "{text}");
+        assert_eq!(calls.len(), 1, "{text}");
+        assert_eq!(calls[0].name, "get_weather");
+        let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
+        assert!(args["city"].is_string(), "{text}");
+    }
+
     /// A forced call, with random logits, is a parsable call whose arguments follow the schema.
     #[test]
     fn forced_calls_follow_the_schema() {
@@ -505,7 +669,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let text = crate::grammar::tests::sample_with_random_logits(r.grammar().unwrap(), 7);
-        let (content, calls) = parse(&text);
+        let (content, calls) = parse(&text, r.syntax);
         assert_eq!(content, None, "{text}");
         assert_eq!(calls.len(), 1, "{text}");
         for c in calls {

@@ -54,39 +54,85 @@ impl AttnDims {
     }
 }
 
+/// K or V as `[b, h_kv, tk, d]` whose every head's `tk × d` elements are contiguous but whose
+/// heads need not be adjacent: a view of the first `tk` tokens of a KV cache's preallocated
+/// buffer is read where it lies, with no copy.
+pub(super) struct Heads<'a> {
+    pub(super) data: Cow<'a, [f32]>,
+    pub(super) start: usize,
+    /// Elements between batches and between heads.
+    pub(super) strides: [usize; 2],
+}
+
+impl<'a> Heads<'a> {
+    /// A contiguous `[b, h_kv, tk, d]`.
+    pub(super) fn contiguous(data: Cow<'a, [f32]>, h_kv: usize, tk: usize, d: usize) -> Self {
+        Heads {
+            data,
+            start: 0,
+            strides: [h_kv * tk * d, tk * d],
+        }
+    }
+
+    fn head(&self, bi: usize, hi: usize, len: usize) -> &[f32] {
+        let at = self.start + bi * self.strides[0] + hi * self.strides[1];
+        &self.data[at..at + len]
+    }
+}
+
+/// One sequence's operands of [`attention_ggml`].
+pub(super) struct AttnInput<'a> {
+    pub(super) q: Cow<'a, [f32]>,
+    pub(super) k: Heads<'a>,
+    pub(super) v: Heads<'a>,
+    pub(super) dims: AttnDims,
+    pub(super) options: AttentionOptions,
+}
+
 /// llama.cpp's attention without flash attention, op for op: `kq = K·q` (vec_dot_f32), softmax
 /// with the scale and causal mask over the KV length padded to 256 (ggml_soft_max: vector expf,
 /// 16-wide chunk sums added in f64, then multiply by `(float)(1/sum)`), then `kqv = Vᵀ·p` —
 /// vec_dot_f32 for one query row, llamafile's tinyBLAS (one 16-lane FMA accumulator, then a
 /// horizontal sum) for several. Query heads `i` read K/V head `i / (h / h_kv)`.
-pub(super) fn attention_ggml(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    s: &AttnDims,
-    o: &AttentionOptions,
-) -> Vec<f32> {
-    let AttnDims {
-        b,
-        h,
-        tq,
-        d,
-        h_kv,
-        tk,
-    } = *s;
-    let group = h / h_kv;
-    let mask = reference::causal_mask(tq, tk, o);
-    let mut out = vec![0.0f32; b * h * tq * d];
-    out.par_chunks_mut(tq * d)
-        .enumerate()
-        .for_each(|(bh, out)| {
-            let (bi, hi) = (bh / h, bh % h);
-            let kv = (bi * h_kv + hi / group) * tk * d;
-            let (kh, vh) = (&k[kv..kv + tk * d], &v[kv..kv + tk * d]);
-            let qh = &q[bh * tq * d..(bh + 1) * tq * d];
-            attend_head(qh, kh, vh, &mask, out, [tq, tk, d], o.scale);
-        });
-    out
+///
+/// Several sequences (a batched pass) run as one parallel loop over all their heads: a decode
+/// step has one query row per head, too little work for a parallel region of its own.
+pub(super) fn attention_ggml(inputs: &[AttnInput<'_>]) -> Vec<Vec<f32>> {
+    let masks: Vec<Vec<bool>> = inputs
+        .iter()
+        .map(|x| reference::causal_mask(x.dims.tq, x.dims.tk, &x.options))
+        .collect();
+    let mut outs: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|x| vec![0.0f32; x.dims.b * x.dims.h * x.dims.tq * x.dims.d])
+        .collect();
+    // (sequence, batch·head, its output rows), for every head of every sequence.
+    let mut heads: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (n, out) in outs.iter_mut().enumerate() {
+        let rows = inputs[n].dims.tq * inputs[n].dims.d;
+        heads.extend(out.chunks_mut(rows).enumerate().map(|(bh, o)| (n, bh, o)));
+    }
+    heads.into_par_iter().for_each(|(n, bh, out)| {
+        let AttnInput {
+            q,
+            k,
+            v,
+            dims,
+            options,
+        } = &inputs[n];
+        let AttnDims {
+            h, tq, d, h_kv, tk, ..
+        } = *dims;
+        let group = h / h_kv;
+        let (bi, hi) = (bh / h, bh % h);
+        let (kh, vh) = (
+            k.head(bi, hi / group, tk * d),
+            v.head(bi, hi / group, tk * d),
+        );
+        let qh = &q[bh * tq * d..(bh + 1) * tq * d];
+        attend_head(qh, kh, vh, &masks[n], out, [tq, tk, d], options.scale);
+    });
+    outs
 }
 
 /// The two inner loops of `attend_head_impl` that decide its speed, in a portable form and, on

@@ -13,7 +13,7 @@ use burn::nn::RmsNorm;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive, activation};
 use toy_core::rope::RopeAngles;
-use toy_kernels::{AttentionOptions, RopeLayout, ToyBackend};
+use toy_kernels::{AttentionOptions, AttentionPart, RopeLayout, ToyBackend};
 
 use crate::cache::{self, KvCache, Segment};
 use crate::embedding::TokenEmbedding;
@@ -411,7 +411,7 @@ impl<B: ToyBackend> Attention<B> {
                 n,
             )))
         };
-        let mut outs = Vec::with_capacity(n_segments);
+        let mut parts = Vec::with_capacity(n_segments);
         for (segment, tables) in segments.iter_mut().zip(tables) {
             let q = heads(cache::rows(&q_all, segment, n_segments), self.n_head);
             let k = heads(cache::rows(&k_all, segment, n_segments), self.n_head_kv);
@@ -437,16 +437,18 @@ impl<B: ToyBackend> Attention<B> {
                 window: self.window,
                 softcap: self.softcap,
             };
-            let out = <B as ToyBackend>::attention(
-                q.into_primitive().tensor(),
-                k.into_primitive().tensor(),
-                v.into_primitive().tensor(),
+            parts.push(AttentionPart {
+                q: q.into_primitive().tensor(),
+                k: k.into_primitive().tensor(),
+                v: v.into_primitive().tensor(),
                 options,
-            );
-            outs.push(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(
-                B::merge_heads(out),
-            )));
+            });
         }
+        // Every sequence's attention in one call.
+        let outs = B::attention_batch(parts)
+            .into_iter()
+            .map(|out| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::merge_heads(out))))
+            .collect();
         project(&self.wo, adapter(Target::O), cache::join(outs))
     }
 

@@ -147,9 +147,11 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                 cached_tokens: 0,
                 include_usage: checked.include_usage,
                 logprobs: want_logprobs,
-                calls: tools
-                    .is_some()
-                    .then(|| (0..checked.n).map(|_| (CallSplitter::default(), 0)).collect()),
+                calls: tools.as_ref().map(|t| {
+                    (0..checked.n)
+                        .map(|_| (CallSplitter::new(t.syntax), 0))
+                        .collect()
+                }),
                 out: VecDeque::new(),
                 opened: false,
                 finished: false,
@@ -181,8 +183,8 @@ pub(super) async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bo
                 };
                 let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
                 let mut finish = f.reason.as_str();
-                if tools.is_some() {
-                    let (content, calls) = tools::parse(&c.text);
+                if let Some(t) = &tools {
+                    let (content, calls) = tools::parse(&c.text, t.syntax);
                     message["content"] = json!(content);
                     if !calls.is_empty() {
                         message["tool_calls"] = calls
