@@ -501,6 +501,75 @@ fn attention_matches_f64() {
     check_attention::<NdArray>();
 }
 
+/// A batched pass's attention: several sequences in one `attention_batch` call, each reading the
+/// first tokens of a preallocated KV buffer (a view whose heads are not adjacent), give each
+/// sequence the bits that `attention` gives it alone on contiguous copies; and `write_tokens`
+/// writes what `slice_assign` writes.
+fn check_attention_batch<B: ToyBackend>() {
+    let d = Default::default();
+    let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let tensor = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    // (heads, kv heads, new tokens, held tokens, head dim): decode steps and a prompt piece.
+    let parts = [
+        (6, 2, 1, 9, 64),
+        (6, 2, 1, 30, 64),
+        (6, 2, 5, 12, 64),
+        (6, 2, 1, 1, 64),
+    ];
+    let capacity = 64;
+    let mut batch = Vec::new();
+    let mut alone = Vec::new();
+    for (n, &(h, hkv, tq, tk, dim)) in parts.iter().enumerate() {
+        let seed = 10 * n as u64;
+        let options = AttentionOptions {
+            scale: 1.0 / (dim as f32).sqrt(),
+            q_offset: tk - tq,
+            window: None,
+            softcap: None,
+        };
+        let q = float::<B, 4>(randn(h * tq * dim, seed), [1, h, tq, dim], &d);
+        let (k, v) = (
+            float::<B, 4>(randn(hkv * tk * dim, seed + 1), [1, hkv, tk, dim], &d),
+            float::<B, 4>(randn(hkv * tk * dim, seed + 2), [1, hkv, tk, dim], &d),
+        );
+        // The keys written into a zeroed buffer of `capacity` tokens, as a KV cache holds them.
+        let buffer = |x: &Tensor<B, 4>| {
+            let zeros = Tensor::<B, 4>::zeros([1, hkv, capacity, dim], &d);
+            let written = tensor(B::write_tokens(prim(zeros.clone()), prim(x.clone()), 0));
+            let assigned = zeros.slice_assign([0..1, 0..hkv, 0..tk, 0..dim], x.clone());
+            assert_eq!(host(written.clone()), host(assigned), "write_tokens");
+            written.narrow(2, 0, tk)
+        };
+        batch.push(toy_kernels::AttentionPart {
+            q: prim(q.clone()),
+            k: prim(buffer(&k)),
+            v: prim(buffer(&v)),
+            options,
+        });
+        alone.push(host(tensor(<B as ToyBackend>::attention(
+            prim(q),
+            prim(k),
+            prim(v),
+            options,
+        ))));
+    }
+    let outs = B::attention_batch(batch);
+    assert_eq!(outs.len(), parts.len());
+    for (n, (out, want)) in outs.into_iter().zip(alone).enumerate() {
+        assert_eq!(
+            host(tensor(out)),
+            want,
+            "sequence {n}: batched attention differs"
+        );
+    }
+}
+
+#[test]
+fn attention_batch_over_cache_views_equals_attention_alone() {
+    check_attention_batch::<Flex>();
+    check_attention_batch::<NdArray>();
+}
+
 /// The custom backward passes of `Autodiff<B>` (forward by `B`'s own op) against burn's autodiff
 /// of the reference bodies on NdArray, for `L = Σ y ⊙ r`: the gradients w.r.t. x (quantized
 /// matmul), x and the weight (dense linear layer; RMSNorm), x (splitting and merging heads), the gate and up (SwiGLU), x (RoPE), q, k, v (attention
@@ -1187,6 +1256,7 @@ mod wgpu {
     #[test]
     fn attention_kernel() {
         check_attention::<Wgpu>();
+        check_attention_batch::<Wgpu>();
         // Long prefill (T = 512, head_dim 64, GQA 8) and a decode row over a long cache with
         // head_dim 128 and GQA 3; a sliding window with a soft-cap over a cache offset.
         let d = Default::default();

@@ -516,7 +516,7 @@ enum Next {
     Finished,
     /// The token it just sampled.
     Decode(u32),
-    /// Its next prompt chunk (as much as the pass has room for).
+    /// It is still reading its prompt, queued in the batch (the step runs its next piece).
     Prompt,
     /// Its next prompt chunk with every position's logits, on a pass of its own.
     Score,
