@@ -422,23 +422,12 @@ impl ToyBackend for Flex {
         v: FloatTensor<Self>,
         options: AttentionOptions,
     ) -> FloatTensor<Self> {
-        let (qs, ks) = (q.shape(), k.shape());
-        let native = options.softcap.is_none() && qs.num_dims() == 4 && q.dtype() == DType::F32;
-        if !native || ks.num_dims() != 4 {
-            return reference::attention::<Self>(q, k, v, options);
-        }
-        let (Some(qd), Some(kd), Some(vd)) = (f32_elements(&q), kv_heads(&k), kv_heads(&v)) else {
-            return reference::attention::<Self>(q, k, v, options);
-        };
-        let input = attention::AttnInput {
-            q: qd,
-            k: kd,
-            v: vd,
-            dims: AttnDims::new(&qs, &ks),
-            options,
+        let part = AttentionPart { q, k, v, options };
+        let Some(input) = ggml_attention_input(&part) else {
+            return reference::attention::<Self>(part.q, part.k, part.v, part.options);
         };
         let out = attention_ggml(&[input]).pop().expect("one output");
-        FlexTensor::from_data(TensorData::new(out, qs))
+        FlexTensor::from_data(TensorData::new(out, part.q.shape()))
     }
 
     fn write_tokens(
@@ -462,34 +451,13 @@ impl ToyBackend for Flex {
     }
 
     fn attention_batch(parts: Vec<AttentionPart<Self>>) -> Vec<FloatTensor<Self>> {
-        let native = |p: &AttentionPart<Self>| {
-            p.options.softcap.is_none()
-                && p.q.shape().num_dims() == 4
-                && p.k.shape().num_dims() == 4
-                && p.q.dtype() == DType::F32
-        };
-        if !parts.iter().all(native) {
+        let inputs: Option<Vec<attention::AttnInput<'_>>> =
+            parts.iter().map(ggml_attention_input).collect();
+        let Some(inputs) = inputs else {
+            // A part llama.cpp's arithmetic does not cover: each part on its own.
             return parts
                 .into_iter()
                 .map(|p| <Self as ToyBackend>::attention(p.q, p.k, p.v, p.options))
-                .collect();
-        }
-        let inputs: Option<Vec<attention::AttnInput<'_>>> = parts
-            .iter()
-            .map(|p| {
-                Some(attention::AttnInput {
-                    q: f32_elements(&p.q)?,
-                    k: kv_heads(&p.k)?,
-                    v: kv_heads(&p.v)?,
-                    dims: AttnDims::new(&p.q.shape(), &p.k.shape()),
-                    options: p.options,
-                })
-            })
-            .collect();
-        let Some(inputs) = inputs else {
-            return parts
-                .into_iter()
-                .map(|p| reference::attention::<Self>(p.q, p.k, p.v, p.options))
                 .collect();
         };
         let outs = attention_ggml(&inputs);
@@ -710,6 +678,26 @@ fn write_tokens_typed<E: burn::tensor::Element + bytemuck::Pod>(
         dst[start..start + t * d].copy_from_slice(rows);
     }
     buffer
+}
+
+/// A part's operands for [`attention_ggml`], when it has the form that llama.cpp's arithmetic
+/// covers (f32, `[b, h, t, d]`, no soft-cap); `None` sends it to the reference body.
+fn ggml_attention_input(p: &AttentionPart<Flex>) -> Option<attention::AttnInput<'_>> {
+    let (qs, ks) = (p.q.shape(), p.k.shape());
+    let native = p.options.softcap.is_none()
+        && qs.num_dims() == 4
+        && ks.num_dims() == 4
+        && p.q.dtype() == DType::F32;
+    if !native {
+        return None;
+    }
+    Some(attention::AttnInput {
+        q: f32_elements(&p.q)?,
+        k: kv_heads(&p.k)?,
+        v: kv_heads(&p.v)?,
+        dims: AttnDims::new(&qs, &ks),
+        options: p.options,
+    })
 }
 
 /// An f32 `[b, h_kv, tk, d]` key or value tensor as [`attention::Heads`]: read in place when each

@@ -14,7 +14,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
-use toy_kernels::ToyBackend;
+use toy_kernels::{AttentionPart, ToyBackend};
 
 /// Prompt tokens per forward pass, as llama.cpp's default micro-batch (`n_ubatch`): a longer
 /// prompt runs in pieces of this many tokens (the last shorter), by `toy infer` and `toy serve`
@@ -122,17 +122,6 @@ impl<B: Backend> KvCache<B> {
         }
     }
 
-    /// Drop the free tail of every buffer (a cache kept for later reuse holds only its tokens).
-    pub fn shrink_to_fit(&mut self) {
-        let len = self.len;
-        for (k, v) in self.layers.iter_mut().flatten() {
-            if k.dims()[2] > len {
-                *k = exact(k.clone().narrow(2, 0, len));
-                *v = exact(v.clone().narrow(2, 0, len));
-            }
-        }
-    }
-
     /// Bytes the key and value buffers take (their whole capacity).
     pub fn bytes(&self) -> usize {
         self.layers
@@ -152,6 +141,17 @@ impl<B: Backend> KvCache<B> {
 }
 
 impl<B: ToyBackend> KvCache<B> {
+    /// Drop the free tail of every buffer (a cache kept for later reuse holds only its tokens).
+    pub fn shrink_to_fit(&mut self) {
+        let len = self.len;
+        for (k, v) in self.layers.iter_mut().flatten() {
+            if k.dims()[2] > len {
+                *k = regrow(k.clone(), len, len);
+                *v = regrow(v.clone(), len, len);
+            }
+        }
+    }
+
     /// Write this step's keys and values for `layer` after the tokens held; returns a view of
     /// everything held for it, `[batch, n_head_kv, len + t, head_dim]`.
     pub(crate) fn append(
@@ -169,57 +169,49 @@ impl<B: ToyBackend> KvCache<B> {
                 self.layers[layer] = Some((k.clone(), v.clone()));
                 return (k, v);
             }
-            None => (
-                grow(None, &k, 0, self.reserve),
-                grow(None, &v, 0, self.reserve),
-            ),
+            None => {
+                let capacity = self.reserve.next_multiple_of(CAPACITY_STEP);
+                (zeros_like(&k, capacity), zeros_like(&v, capacity))
+            }
             Some((kb, vb)) if kb.dims()[2] < need => {
-                let capacity = need.max(2 * kb.dims()[2]).max(self.reserve);
-                (
-                    grow(Some(kb), &k, past, capacity),
-                    grow(Some(vb), &v, past, capacity),
-                )
+                let capacity = need
+                    .max(2 * kb.dims()[2])
+                    .max(self.reserve)
+                    .next_multiple_of(CAPACITY_STEP);
+                (regrow(kb, past, capacity), regrow(vb, past, capacity))
             }
             Some(buffers) => buffers,
         };
-        let write = |buffer: Tensor<B, 4>, x: Tensor<B, 4>| {
-            let (buffer, x) = (
-                buffer.into_primitive().tensor(),
-                x.into_primitive().tensor(),
-            );
-            Tensor::from_primitive(TensorPrimitive::Float(B::write_tokens(buffer, x, past)))
-        };
-        let (kb, vb) = (write(kb, k), write(vb, v));
+        let (kb, vb) = (write(kb, k, past), write(vb, v, past));
         let held = (kb.clone().narrow(2, 0, need), vb.clone().narrow(2, 0, need));
         self.layers[layer] = Some((kb, vb));
         held
     }
 }
 
-/// A buffer shaped like `x` with room for `capacity` tokens (rounded up to [`CAPACITY_STEP`]),
-/// holding the first `past` tokens of `old`.
-fn grow<B: Backend>(
-    old: Option<Tensor<B, 4>>,
-    x: &Tensor<B, 4>,
-    past: usize,
-    capacity: usize,
-) -> Tensor<B, 4> {
+/// A zeroed buffer shaped like `x` with room for `capacity` tokens.
+fn zeros_like<B: Backend>(x: &Tensor<B, 4>, capacity: usize) -> Tensor<B, 4> {
     let [b, h, _, d] = x.dims();
-    let capacity = capacity.next_multiple_of(CAPACITY_STEP);
-    let buffer = Tensor::<B, 4>::zeros([b, h, capacity, d], (&x.device(), x.dtype()));
-    match old {
-        Some(old) if past > 0 => {
-            buffer.slice_assign([0..b, 0..h, 0..past, 0..d], old.narrow(2, 0, past))
-        }
-        _ => buffer,
-    }
+    Tensor::zeros([b, h, capacity, d], (&x.device(), x.dtype()))
 }
 
-/// `x` in a buffer of its own (a view's elements copied out of the tensor it views).
-fn exact<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
-    let [b, h, t, d] = x.dims();
-    Tensor::<B, 4>::zeros([b, h, t, d], (&x.device(), x.dtype()))
-        .slice_assign([0..b, 0..h, 0..t, 0..d], x)
+/// `x[b, h, t, d]` written into `buffer` at tokens `at..at + t` ([`ToyBackend::write_tokens`]:
+/// in place when the buffer is held once).
+fn write<B: ToyBackend>(buffer: Tensor<B, 4>, x: Tensor<B, 4>, at: usize) -> Tensor<B, 4> {
+    let (buffer, x) = (
+        buffer.into_primitive().tensor(),
+        x.into_primitive().tensor(),
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(B::write_tokens(buffer, x, at)))
+}
+
+/// A new buffer of `capacity` tokens holding the first `keep` tokens of `old`.
+fn regrow<B: ToyBackend>(old: Tensor<B, 4>, keep: usize, capacity: usize) -> Tensor<B, 4> {
+    let buffer = zeros_like(&old, capacity);
+    if keep == 0 {
+        return buffer;
+    }
+    write(buffer, old.narrow(2, 0, keep), 0)
 }
 
 /// One sequence's share of a forward pass: `len` new tokens, rows `start..start + len` of the
@@ -275,6 +267,16 @@ pub(crate) fn join<B: Backend, const D: usize>(mut parts: Vec<Tensor<B, D>>) -> 
     } else {
         Tensor::cat(parts, 1)
     }
+}
+
+/// Every segment's attention in one call ([`ToyBackend::attention_batch`]), heads merged and put
+/// back in row order: `[1, T, n_head·head_dim]` (or the one segment's `[b, t, ·]`).
+pub(crate) fn attend<B: ToyBackend>(parts: Vec<AttentionPart<B>>) -> Tensor<B, 3> {
+    let outs = B::attention_batch(parts)
+        .into_iter()
+        .map(|out| Tensor::from_primitive(TensorPrimitive::Float(B::merge_heads(out))))
+        .collect();
+    join(outs)
 }
 
 /// Count each segment's new tokens as held by its cache (after every layer appended them).

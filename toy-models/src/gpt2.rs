@@ -12,7 +12,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Embedding;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use toy_core::config::ModelConfig;
 use toy_core::gguf::GgufFile;
 use toy_kernels::{AttentionOptions, AttentionPart, ToyBackend};
@@ -329,14 +329,9 @@ impl<B: ToyBackend> Gpt2Block<B> {
                 options,
             });
         }
-        // Every sequence's attention in one call.
-        let outs = B::attention_batch(parts)
-            .into_iter()
-            .map(|out| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::merge_heads(out))))
-            .collect();
         let h = self
             .wo
-            .forward_adapted(adapter(Target::O), cache::join(outs))
+            .forward_adapted(adapter(Target::O), cache::attend(parts))
             + x;
         let up = self
             .up

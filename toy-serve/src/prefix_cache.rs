@@ -14,6 +14,7 @@
 //! false` on a request, or `--cache-ram 0`, gives the cold run's numbers exactly.
 
 use burn::tensor::backend::Backend;
+use toy_kernels::ToyBackend;
 use toy_models::KvCache;
 
 struct Entry<B: Backend> {
@@ -37,7 +38,7 @@ pub struct Hit<B: Backend> {
     pub cache: KvCache<B>,
 }
 
-impl<B: Backend> PrefixCache<B> {
+impl<B: ToyBackend> PrefixCache<B> {
     /// A cache holding at most `budget` bytes of keys and values (0: off).
     pub fn new(budget: usize) -> Self {
         PrefixCache {

@@ -444,12 +444,7 @@ impl<B: ToyBackend> Attention<B> {
                 options,
             });
         }
-        // Every sequence's attention in one call.
-        let outs = B::attention_batch(parts)
-            .into_iter()
-            .map(|out| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::merge_heads(out))))
-            .collect();
-        project(&self.wo, adapter(Target::O), cache::join(outs))
+        project(&self.wo, adapter(Target::O), cache::attend(parts))
     }
 
     fn rope(
