@@ -829,6 +829,8 @@ mod blocks;
 mod blocks32_avx2;
 #[cfg(target_arch = "x86_64")]
 mod blocks_avx2;
+#[cfg(target_arch = "x86_64")]
+mod blocks_vnni;
 mod elementwise;
 #[cfg(target_arch = "x86_64")]
 mod grad;

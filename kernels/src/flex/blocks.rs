@@ -33,7 +33,7 @@ use crate::packed::{GgmlType, HostPackedView, QK_K, deinterleave_q4k_x8, row_byt
 
 mod spec;
 use spec::*;
-pub(super) use spec::{Q8K, dot_repacked_32, f16_at, quantize_q8_k, scales_q3_k};
+pub(super) use spec::{Q8K, dot_repacked_32, f16_at, quantize_q8_k, scales_k4, scales_q3_k};
 
 /// Eight weight rows as an eight-row kernel reads them: apart (each row's GGUF bytes), or — for
 /// Q4_K on the CPU backend — interleaved: the group's slice of `packed::interleave_q4k_x8`.
@@ -298,8 +298,15 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
             Form::Tiled,
         ) = (x, ty, form)
         {
-            // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
-            return Some(unsafe { super::blocks_avx2::dot_q6_k_tiled_rows4(w, [a, b, c, d]) });
+            let x = [a, b, c, d].map(Vec::as_slice);
+            // SAFETY: the CPU has AVX2, FMA and F16C, and AVX-512 F/BW/VL/VNNI at that level
+            // (`cpu_level`).
+            return Some(unsafe {
+                match super::cpu_level() >= super::CpuLevel::Avx512 {
+                    true => super::blocks_vnni::dot_q6_k_tiled_rows4(w, x),
+                    false => super::blocks_avx2::dot_q6_k_tiled_rows4(w, x),
+                }
+            });
         }
         let rows: [&QuantRow; 4] = match x {
             [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
@@ -321,8 +328,22 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
 
 /// Eight outputs — two weight rows against four activation rows of the same form — where a
 /// CPU-specific kernel computes them (the same bits as eight `dot_avx2` calls); `None`
-/// elsewhere. Today: Q5_0 and Q5_1 on CPUs with AVX-512 VNNI.
+/// elsewhere. Today: Q5_0 and Q5_1 (`VecDot`) and Q4_K (`Gemm`) on CPUs with AVX-512 VNNI.
 fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Option<[[f32; 4]; 2]> {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_level() >= super::CpuLevel::Avx512 && ty == GgmlType::Q4K && form == Form::Gemm {
+        let [
+            ActRow::Q8K(a),
+            ActRow::Q8K(b),
+            ActRow::Q8K(c),
+            ActRow::Q8K(d),
+        ] = x
+        else {
+            return None;
+        };
+        // SAFETY: the CPU has AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI (`cpu_level`).
+        return Some(unsafe { super::blocks_vnni::dot2_q4_k_gemm_rows4(w, [a, b, c, d]) });
+    }
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx512 && form == Form::VecDot {
         use super::blocks32_avx2 as w32;
@@ -341,6 +362,53 @@ fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Optio
     }
     let _ = (ty, w, x, form);
     None
+}
+
+#[cfg(target_arch = "x86_64")]
+use super::blocks_vnni::Q4kX16;
+/// No 16-wide kernel off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+enum Q4kX16 {}
+
+/// A task's sixteen weight rows laid out for the 16-wide Q4_K kernel, where this CPU has it
+/// (AVX-512 VNNI) and the task computes `Gemm` rows.
+fn q4k_x16<'a>(
+    ty: GgmlType,
+    ncols: usize,
+    forms: &[Form],
+    row: impl Fn(usize) -> &'a [u8],
+) -> Option<Q4kX16> {
+    #[cfg(target_arch = "x86_64")]
+    if ty == GgmlType::Q4K
+        && ncols == 16
+        && super::cpu_level() >= super::CpuLevel::Avx512
+        && forms.contains(&Form::Gemm)
+    {
+        return Some(Q4kX16::new(std::array::from_fn(row)));
+    }
+    let _ = (ty, ncols, forms, row);
+    None
+}
+
+/// Sixteen weight rows (`q4k_x16`) against four `Gemm` activation rows: the same bits as 64
+/// `dot` calls.
+fn dot16_rows4(w: &Q4kX16, x: [&ActRow; 4]) -> Option<[[f32; 16]; 4]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let [
+            ActRow::Q8K(a),
+            ActRow::Q8K(b),
+            ActRow::Q8K(c),
+            ActRow::Q8K(d),
+        ] = x
+        else {
+            return None;
+        };
+        // SAFETY: `Q4kX16` is built only where the CPU has AVX-512 F/BW/VL/VNNI (`q4k_x16`).
+        Some(unsafe { super::blocks_vnni::gemm_q4_k_x16(w, [a, b, c, d]) })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    match *w {}
 }
 
 /// The fastest `dot` this CPU has.
@@ -426,10 +494,25 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                 )),
                 false => Rows8::Apart(std::array::from_fn(|r| wr(c0 + r))),
             };
+            let x16 = q4k_x16(ty, ncols, forms, wr);
             // Activation rows in blocks of 16 (llama.cpp's 16 × 16 tiles), so a block's
             // activations and the group's weight rows stay in L1 while they are reused.
             for i0 in (0..m).step_by(ROW_BLOCK) {
                 let i1 = (i0 + ROW_BLOCK).min(m);
+                // All sixteen outputs of four activation rows per call where the 16-wide
+                // kernel applies; the loops below take the block's other rows.
+                let mut i0 = i0;
+                while let Some(x16) = &x16
+                    && i0 + 4 <= i1
+                    && forms[i0..i0 + 4].iter().all(|&f| f == Form::Gemm)
+                {
+                    let x = [&acts[i0], &acts[i0 + 1], &acts[i0 + 2], &acts[i0 + 3]];
+                    let Some(y) = dot16_rows4(x16, x) else { break };
+                    for (a, y) in y.iter().enumerate() {
+                        (0..16).for_each(|c| cols[c * m + i0 + a] = y[c]);
+                    }
+                    i0 += 4;
+                }
                 let mut c0 = 0;
                 // Eight outputs per call where an 8-row kernel exists (the same bits as `dot`).
                 'eight: while c0 + 8 <= ncols {

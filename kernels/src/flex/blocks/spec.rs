@@ -80,7 +80,7 @@ pub(super) fn quantize_q8_k_impl(x: &[f32], positive_max: bool) -> Vec<Q8K> {
 }
 
 /// The six-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks (`get_scale_min_k4`).
-pub(super) fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
+pub(in crate::flex) fn scales_k4(s: &[u8]) -> ([i32; 8], [i32; 8]) {
     let mut sc = [0; 8];
     let mut mn = [0; 8];
     for j in 0..8 {

@@ -140,7 +140,26 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
                 .collect();
             let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
             let got = dot_rows4(ty, &w, rows, form).expect("a 4-row kernel");
+            // On an AVX-512 machine `dot_rows4` takes Q6_K's VNNI kernel: check the AVX2 one
+            // it stands in for as well.
+            let avx2_q6k = match rows {
+                [
+                    ActRow::Q8K(a),
+                    ActRow::Q8K(b),
+                    ActRow::Q8K(c),
+                    ActRow::Q8K(d),
+                ] if ty == GgmlType::Q6K => {
+                    // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+                    Some(unsafe {
+                        super::super::blocks_avx2::dot_q6_k_tiled_rows4(&w, [a, b, c, d])
+                    })
+                }
+                _ => None,
+            };
             for r in 0..4 {
+                if let Some(avx2) = avx2_q6k {
+                    assert_eq!(avx2[r].to_bits(), got[r].to_bits(), "Q6_K AVX2 row {r}");
+                }
                 let want = dot(ty, &w, &acts[r], form, GgmlIsa::Avx2);
                 assert_eq!(
                     got[r].to_bits(),
@@ -163,19 +182,23 @@ fn two_by_four_dots_are_bit_identical_to_the_spec() {
     }
     let mut next = rng(17);
     let mut checked = 0;
-    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+    for (ty, form) in [
+        (GgmlType::Q5_0, Form::VecDot),
+        (GgmlType::Q5_1, Form::VecDot),
+        (GgmlType::Q4K, Form::Gemm),
+    ] {
         for blocks in [1usize, 2, 7, 72] {
-            let k = blocks * 32;
+            let k = blocks * ty.block_size();
             let w0 = random_row(ty, blocks, &mut next);
             let w1 = random_row(ty, blocks, &mut next);
             let acts: Vec<ActRow> = (0..4)
-                .map(|_| activation(ty, &random_activations(k, &mut next), Form::VecDot))
+                .map(|_| activation(ty, &random_activations(k, &mut next), form))
                 .collect();
             let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
-            let got = dot2_rows4(ty, [&w0, &w1], rows, Form::VecDot).expect("a 2 × 4 kernel");
+            let got = dot2_rows4(ty, [&w0, &w1], rows, form).expect("a 2 × 4 kernel");
             for (j, w) in [&w0, &w1].into_iter().enumerate() {
                 for r in 0..4 {
-                    let want = dot(ty, w, &acts[r], Form::VecDot, GgmlIsa::Avx2);
+                    let want = dot(ty, w, &acts[r], form, GgmlIsa::Avx2);
                     assert_eq!(
                         got[j][r].to_bits(),
                         want.to_bits(),
@@ -186,7 +209,7 @@ fn two_by_four_dots_are_bit_identical_to_the_spec() {
             }
         }
     }
-    assert_eq!(checked, 64);
+    assert_eq!(checked, 96);
 }
 
 /// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9
@@ -319,6 +342,37 @@ fn q4k_gemv_bandwidth_of(rows: usize, sb: usize) {
                 s * 1e3,
                 bytes.len() as f64 / s / 1e9
             );
+        }
+    }
+}
+
+/// The 16-wide Q4_K kernel (AVX-512 VNNI) gives each of its 64 outputs the specification's bits.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn sixteen_by_four_q4_k_is_bit_identical_to_the_spec() {
+    if super::super::cpu_level() < super::super::CpuLevel::Avx512 {
+        return;
+    }
+    let mut next = rng(19);
+    let ty = GgmlType::Q4K;
+    for sb in [1usize, 2, 9] {
+        let k = sb * QK_K;
+        let w: Vec<Vec<u8>> = (0..16).map(|_| random_row(ty, sb, &mut next)).collect();
+        let acts: Vec<ActRow> = (0..4)
+            .map(|_| activation(ty, &random_activations(k, &mut next), Form::Gemm))
+            .collect();
+        let x16 = q4k_x16(ty, 16, &[Form::Gemm], |r| &w[r]).expect("an AVX-512 VNNI CPU");
+        let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
+        let got = dot16_rows4(&x16, rows).expect("Q8_K rows");
+        for (a, got) in got.iter().enumerate() {
+            for (r, w) in w.iter().enumerate() {
+                let want = dot(ty, w, &acts[a], Form::Gemm, GgmlIsa::Avx2);
+                assert_eq!(
+                    got[r].to_bits(),
+                    want.to_bits(),
+                    "row {r}, activation row {a}, {sb} super-blocks"
+                );
+            }
         }
     }
 }

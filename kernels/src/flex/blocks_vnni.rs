@@ -1,0 +1,358 @@
+//! K-quant kernels on CPUs with AVX-512 VNNI: the same bits as `blocks_avx2.rs`, fewer
+//! instructions per product.
+//!
+//! What fixes an output's bits is ggml's float steps (one `fma` per super-block part, in order)
+//! on exact integer sums. The AVX2 kernels form each 32-value sub-block's scaled sum with
+//! `maddubs` then `madd` by the broadcast scale, per activation row. Here `vpdpbusd` (unsigned
+//! weight × signed activation, four products per i32 lane) forms the *unscaled* sub-block
+//! sums 64 values per 512-bit instruction, a few shuffles gather the eight sub-block sums of a
+//! super-block into one register, and one `vpmulld` applies the eight scales: the same
+//! integers, so the same bits (tested against the scalar specification in `blocks/tests.rs`).
+
+use std::arch::x86_64::*;
+
+use super::blocks::Q8K;
+use super::blocks_avx2::{f16c_at, load128, mins_prod, q6k_values, scales_mins_k4, transpose4};
+
+/// A Q4_K super-block's four 64-value parts as 512-bit registers of nibbles: part `j`'s low
+/// 256 bits are the low nibbles of bytes `32j..32j + 32` (values `64j..64j + 32`, sub-block
+/// `2j`), its high 256 bits their high nibbles (values `64j + 32..64j + 64`, sub-block `2j + 1`)
+/// — so one register lines up with 64 consecutive activations.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q4k_parts(qs: &[u8]) -> [__m512i; 4] {
+    assert!(qs.len() >= 128);
+    let m4 = _mm512_set1_epi8(0x0F);
+    // Plain loops, not `array::from_fn`: a closure is not compiled with this function's
+    // target features, so it would not inline.
+    let mut parts = [_mm512_setzero_si512(); 4];
+    for (j, part) in parts.iter_mut().enumerate() {
+        // SAFETY: bytes 32j..32j + 32 ≤ 128 are in `qs`.
+        let bits = unsafe { _mm256_loadu_si256(qs.as_ptr().add(32 * j) as *const __m256i) };
+        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(bits), bits);
+        // Shift the high half's bytes down a nibble (16-bit shifts: the mask drops what
+        // crosses from the neighbouring byte).
+        let shifted = _mm512_mask_srli_epi16::<4>(both, 0xFFFF_0000, both);
+        *part = _mm512_and_si512(shifted, m4);
+    }
+    parts
+}
+
+/// Sums of four lanes: per 128-bit lane `L`, element `j` of the result is the sum of lanes
+/// `4L..4L + 4` of `a[j]`. Exact: integer additions in any order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn sums_of_fours(a: [__m512i; 4]) -> __m512i {
+    // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for registers a, b.
+    let t0 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(a[0], a[1]),
+        _mm512_unpackhi_epi32(a[0], a[1]),
+    );
+    let t1 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(a[2], a[3]),
+        _mm512_unpackhi_epi32(a[2], a[3]),
+    );
+    _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1))
+}
+
+/// The eight unscaled sub-block sums of one Q4_K super-block from the four parts' `vpdpbusd`
+/// lanes (`a[j]`: lanes 0–7 sub-block `2j`, lanes 8–15 sub-block `2j + 1`), as
+/// `[s0, s2, s4, s6 | s1, s3, s5, s7]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn sub_block_sums(a: [__m512i; 4]) -> __m256i {
+    let u = sums_of_fours(a);
+    // 128-bit lanes [L0, L2] + [L1, L3]: even sub-blocks (lanes 0–7), then odd ones (8–15).
+    let even_halves = _mm512_shuffle_i32x4::<0b00_00_10_00>(u, u);
+    let odd_halves = _mm512_shuffle_i32x4::<0b00_00_11_01>(u, u);
+    _mm256_add_epi32(
+        _mm512_castsi512_si256(even_halves),
+        _mm512_castsi512_si256(odd_halves),
+    )
+}
+
+/// The sums of each register's 16 lanes, as lanes `a` of one 128-bit register (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn hsum4_i32_16(a: [__m512i; 4]) -> __m128i {
+    let u = sums_of_fours(a);
+    let half = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64::<1>(u));
+    _mm_add_epi32(
+        _mm256_castsi256_si128(half),
+        _mm256_extracti128_si256::<1>(half),
+    )
+}
+
+/// `dot_q4_k_repacked(w[r], x[a], true)` (llama.cpp's 4-row repacked gemm) for two weight rows
+/// against four activation rows: each weight super-block is unpacked once for the four rows
+/// and each activation load serves both weight rows. Per output, the part sums `isum_j` are the
+/// same integers and the float steps (`acc = fma(isum_j, dw·d_y, acc)`, likewise for the mins)
+/// run in the same order, so every output has the specification's bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn dot2_q4_k_gemm_rows4(w: [&[u8]; 2], x: [&[Q8K]; 4]) -> [[f32; 4]; 2] {
+    let nb = w[0].len() / 144;
+    assert!(w[1].len() >= nb * 144 && x.iter().all(|x| x.len() >= nb));
+    // Sub-block order of `sub_block_sums`, to line the scales up with it.
+    let order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    // Lanes a (activation row) of each output's float chains.
+    let mut acc = [_mm_setzero_ps(); 2];
+    let mut acc_min = [_mm_setzero_ps(); 2];
+    for i in 0..nb {
+        let b = [&w[0][144 * i..144 * (i + 1)], &w[1][144 * i..144 * (i + 1)]];
+        let mut parts = [[_mm512_setzero_si512(); 4]; 2];
+        let mut scales = [_mm256_setzero_si256(); 2];
+        let mut mins = [_mm_setzero_si128(); 2];
+        for r in 0..2 {
+            parts[r] = q4k_parts(&b[r][16..144]);
+            let (sc, mn) = scales_mins_k4(&b[r][4..16]);
+            let sc32 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sc));
+            scales[r] = _mm256_permutevar8x32_epi32(sc32, order);
+            mins[r] = mn;
+        }
+        // Per weight row r and activation row a: the part sums (lanes j) and min products.
+        let mut isums = [[_mm_setzero_si128(); 4]; 2];
+        let mut imins = [[_mm_setzero_si128(); 4]; 2];
+        for a in 0..4 {
+            let y = &x[a][i];
+            let mut ys = [_mm512_setzero_si512(); 4];
+            for (j, yj) in ys.iter_mut().enumerate() {
+                // SAFETY: `qs` is 256 bytes: four 64-byte loads.
+                *yj = unsafe { _mm512_loadu_si512(y.qs.as_ptr().add(64 * j) as *const _) };
+            }
+            for r in 0..2 {
+                let mut lanes = [_mm512_setzero_si512(); 4];
+                for j in 0..4 {
+                    lanes[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), parts[r][j], ys[j]);
+                }
+                let scaled = _mm256_mullo_epi32(sub_block_sums(lanes), scales[r]);
+                isums[r][a] = _mm_add_epi32(
+                    _mm256_castsi256_si128(scaled),
+                    _mm256_extracti128_si256::<1>(scaled),
+                );
+                imins[r][a] = mins_prod(mins[r], y);
+            }
+        }
+        let yd = _mm_setr_ps(x[0][i].d, x[1][i].d, x[2][i].d, x[3][i].d);
+        for r in 0..2 {
+            let (dw, dmw) = (f16c_at(b[r], 0), f16c_at(b[r], 2));
+            let scale = _mm_mul_ps(_mm_set1_ps(dw), yd);
+            let scale_min = _mm_mul_ps(_mm_set1_ps(dmw), yd);
+            // Lanes a of part j.
+            let isums = transpose4(isums[r]);
+            let imins = transpose4(imins[r]);
+            for j in 0..4 {
+                acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(isums[j]), scale, acc[r]);
+                acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imins[j]), scale_min, acc_min[r]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; 4]; 2];
+    for r in 0..2 {
+        // SAFETY: 4 f32 = 16 bytes.
+        unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), _mm_sub_ps(acc[r], acc_min[r])) };
+    }
+    out
+}
+
+/// `dot_tiled` of a Q6_K row for four activation rows (as `blocks_avx2::dot_q6_k_tiled_rows4`):
+/// per super-block the exact total `Σ sc·(q − 32)·y`, here as `vpdpbusd` sums of the unsigned
+/// values 0..64 per 16-value sub-block, times the sub-block's i8 scale, minus `32·Σ sc·bsum`;
+/// then `r = d · total` and `acc = fma(r, d_y, acc)` in each row's lane. The same bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn dot_q6_k_tiled_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
+    let nb = w.len() / 210;
+    assert!(x.iter().all(|x| x.len() >= nb));
+    // `sums_of_fours` puts sub-block 4k + L (register k, 128-bit lane L) in element 4L + k.
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let mut acc = _mm_setzero_ps();
+    for (i, b) in w.chunks_exact(210).enumerate() {
+        // 64 consecutive values per register: `q6k_values`' registers two by two.
+        let q32 = q6k_values(b);
+        let mut q = [_mm512_setzero_si512(); 4];
+        for k in 0..4 {
+            q[k] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q32[2 * k]), q32[2 * k + 1]);
+        }
+        let sc = load128(&b[192..208]);
+        let scales = _mm512_permutexvar_epi32(order, _mm512_cvtepi8_epi32(sc));
+        let sc16 = _mm256_cvtepi8_epi16(sc);
+        let mut totals = [_mm512_setzero_si512(); 4];
+        for a in 0..4 {
+            let y = &x[a][i];
+            let mut lanes = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                // SAFETY: `qs` is 256 bytes: four 64-byte loads.
+                let yk = unsafe { _mm512_loadu_si512(y.qs.as_ptr().add(64 * k) as *const _) };
+                lanes[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k], yk);
+            }
+            let scaled = _mm512_mullo_epi32(sums_of_fours(lanes), scales);
+            // SAFETY: `bsums` is 16 i16 = 32 bytes.
+            let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
+            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, sc16));
+            totals[a] = _mm512_sub_epi32(scaled, _mm512_zextsi256_si512(offset));
+        }
+        let totals = _mm_cvtepi32_ps(hsum4_i32_16(totals));
+        let r = _mm_mul_ps(_mm_set1_ps(f16c_at(b, 208)), totals);
+        let yd = _mm_setr_ps(x[0][i].d, x[1][i].d, x[2][i].d, x[3][i].d);
+        acc = _mm_fmadd_ps(r, yd, acc);
+    }
+    let mut out = [0.0f32; 4];
+    // SAFETY: 4 f32 = 16 bytes.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
+/// Sixteen Q4_K weight rows laid out for `gemm_q4_k_x16`: per super-block, every field holds
+/// the sixteen rows' values side by side, row `r` in 32-bit lane `r`, so one 512-bit
+/// instruction works on all sixteen outputs and no lanes need summing across (llama.cpp's
+/// `block_q4_Kx8` idea, sixteen rows wide for 512-bit registers). Built per matmul task from
+/// the file's rows: a few tens of KB, reused by every activation row of the task.
+pub(super) struct Q4kX16 {
+    blocks: Vec<Q4kX16Block>,
+}
+
+#[repr(C, align(64))]
+struct Q4kX16Block {
+    d: [f32; 16],
+    dmin: [f32; 16],
+    /// Per sub-block: the rows' 6-bit scales.
+    scales: [[i32; 16]; 8],
+    /// Per 64-value part `j`: the rows' mins of sub-blocks `2j` (low i16) and `2j + 1` (high).
+    mins: [[i32; 16]; 4],
+    /// Per 4-byte group of the 128 nibble bytes: the rows' four bytes, row `r` at `4r..4r + 4`.
+    qs: [[u8; 64]; 32],
+}
+
+impl Q4kX16 {
+    /// `rows`: sixteen rows of the same number of Q4_K super-blocks, as in the file.
+    pub(super) fn new(rows: [&[u8]; 16]) -> Self {
+        let nb = rows[0].len() / 144;
+        assert!(rows.iter().all(|r| r.len() == nb * 144));
+        let blocks = (0..nb)
+            .map(|i| {
+                let mut out = Q4kX16Block {
+                    d: [0.0; 16],
+                    dmin: [0.0; 16],
+                    scales: [[0; 16]; 8],
+                    mins: [[0; 16]; 4],
+                    qs: [[0; 64]; 32],
+                };
+                for (r, row) in rows.iter().enumerate() {
+                    let b = &row[144 * i..144 * (i + 1)];
+                    out.d[r] = super::blocks::f16_at(b, 0);
+                    out.dmin[r] = super::blocks::f16_at(b, 2);
+                    let (sc, mn) = super::blocks::scales_k4(&b[4..16]);
+                    for s in 0..8 {
+                        out.scales[s][r] = sc[s];
+                    }
+                    for j in 0..4 {
+                        out.mins[j][r] = mn[2 * j] | (mn[2 * j + 1] << 16);
+                    }
+                    for (g, group) in out.qs.iter_mut().enumerate() {
+                        group[4 * r..4 * r + 4].copy_from_slice(&b[16 + 4 * g..20 + 4 * g]);
+                    }
+                }
+                out
+            })
+            .collect();
+        Self { blocks }
+    }
+}
+
+/// `dot_q4_k_repacked(w_r, x[a], true)` (llama.cpp's 4-row repacked gemm) for sixteen weight
+/// rows against four activation rows, each output in a lane of its own. Per 64-value part `j`
+/// of a super-block, `vpdpbusd` adds four products of each row's nibbles and a broadcast group
+/// of the activations into the row's lane; the sub-block sums times the scales give `isum_j`
+/// and `vpdpwssd` of the mins by the activations' 32-value sums gives `imin_j`: the same
+/// integers as the specification, then the same float steps in the same order
+/// (`acc = fma(isum_j, dw·d_y, acc)`, likewise for the mins), so the same bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn gemm_q4_k_x16(w: &Q4kX16, x: [&[Q8K]; 4]) -> [[f32; 16]; 4] {
+    assert!(x.iter().all(|x| x.len() >= w.blocks.len()));
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut acc_min = [_mm512_setzero_ps(); 4];
+    // No closures in here: they would not get this function's target features, so not inline.
+    for (i, b) in w.blocks.iter().enumerate() {
+        let d = load_ps(&b.d);
+        let dmin = load_ps(&b.dmin);
+        // Per activation row: its 32-value sums, two per i32 (sub-blocks 2j, 2j + 1).
+        let mut sums = [[0i32; 4]; 4];
+        for a in 0..4 {
+            let bs = &x[a][i].bsums;
+            for j in 0..4 {
+                let lo = bs[4 * j] + bs[4 * j + 1];
+                let hi = bs[4 * j + 2] + bs[4 * j + 3];
+                sums[a][j] = (lo as u16 as i32) | ((hi as i32) << 16);
+            }
+        }
+        for j in 0..4 {
+            let mut lo_sums = [_mm512_setzero_si512(); 4];
+            let mut hi_sums = [_mm512_setzero_si512(); 4];
+            for g in 0..8 {
+                let wq = load_bytes(&b.qs[8 * j + g]);
+                let lo = _mm512_and_si512(wq, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wq), m4);
+                let at = 64 * j + 4 * g;
+                for a in 0..4 {
+                    let qs = &x[a][i].qs;
+                    lo_sums[a] = _mm512_dpbusd_epi32(lo_sums[a], lo, broadcast4(&qs[at..at + 4]));
+                    hi_sums[a] =
+                        _mm512_dpbusd_epi32(hi_sums[a], hi, broadcast4(&qs[at + 32..at + 36]));
+                }
+            }
+            let (sc_lo, sc_hi) = (load_i32(&b.scales[2 * j]), load_i32(&b.scales[2 * j + 1]));
+            let mins = load_i32(&b.mins[j]);
+            for a in 0..4 {
+                let isum = _mm512_add_epi32(
+                    _mm512_mullo_epi32(lo_sums[a], sc_lo),
+                    _mm512_mullo_epi32(hi_sums[a], sc_hi),
+                );
+                let pairs = _mm512_set1_epi32(sums[a][j]);
+                let imin = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins, pairs);
+                let yd = _mm512_set1_ps(x[a][i].d);
+                acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, yd), acc[a]);
+                acc_min[a] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(imin),
+                    _mm512_mul_ps(dmin, yd),
+                    acc_min[a],
+                );
+            }
+        }
+    }
+    let mut out = [[0.0f32; 16]; 4];
+    for a in 0..4 {
+        // SAFETY: 16 f32 = 64 bytes.
+        unsafe { _mm512_storeu_ps(out[a].as_mut_ptr(), _mm512_sub_ps(acc[a], acc_min[a])) };
+    }
+    out
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn load_ps(v: &[f32; 16]) -> __m512 {
+    // SAFETY: 16 f32 = 64 bytes.
+    unsafe { _mm512_loadu_ps(v.as_ptr()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn load_i32(v: &[i32; 16]) -> __m512i {
+    // SAFETY: 16 i32 = 64 bytes.
+    unsafe { _mm512_loadu_si512(v.as_ptr() as *const _) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn load_bytes(v: &[u8; 64]) -> __m512i {
+    // SAFETY: 64 bytes.
+    unsafe { _mm512_loadu_si512(v.as_ptr() as *const _) }
+}
+
+/// Four activation bytes repeated in every 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn broadcast4(q: &[i8]) -> __m512i {
+    assert!(q.len() >= 4);
+    // SAFETY: four bytes, read unaligned.
+    _mm512_set1_epi32(unsafe { (q.as_ptr() as *const i32).read_unaligned() })
+}
