@@ -91,7 +91,24 @@ enum Command {
     Serve(serve::ServeArgs),
 }
 
+/// Keep freed memory in the process instead of handing it back to the kernel at once.
+///
+/// Every op of a forward pass allocates its output, and glibc serves blocks of a few hundred KB
+/// and more with `mmap`, returning them on `free`: the next pass then takes a page fault for
+/// every 4 KiB it writes (SmolLM2 Q4_0 pp128: 160k faults and a third of the CPU time, 36% less
+/// with this). Blocks up to 32 MiB (glibc's largest mmap threshold) now come from the heap, and
+/// up to 1 GiB of freed heap stays mapped for reuse, as llama.cpp keeps its compute buffers.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes the allocator's thresholds; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
 fn main() -> ExitCode {
+    keep_freed_memory();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

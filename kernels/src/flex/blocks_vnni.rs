@@ -1,5 +1,5 @@
-//! K-quant kernels on CPUs with AVX-512 VNNI: the same bits as `blocks_avx2.rs`, fewer
-//! instructions per product.
+//! K-quant and Q4_0 kernels on CPUs with AVX-512 VNNI: the same bits as `blocks_avx2.rs` and
+//! `blocks32_avx2.rs`, fewer instructions per product.
 //!
 //! What fixes an output's bits is ggml's float steps (one `fma` per super-block part, in order)
 //! on exact integer sums. The AVX2 kernels form each 32-value sub-block's scaled sum with
@@ -12,7 +12,11 @@
 use std::arch::x86_64::*;
 
 use super::blocks::Q8K;
-use super::blocks_avx2::{f16c_at, load128, mins_prod, q6k_values, scales_mins_k4, transpose4};
+use super::blocks_avx2::{
+    f16c_at, hsum_i32_8, load128, mins_prod, q6k_values, scales_mins_k4, transpose4,
+};
+use super::qmatmul::QuantRow;
+use crate::packed::BLOCK;
 
 /// A Q4_K super-block's four 64-value parts as 512-bit registers of nibbles: part `j`'s low
 /// 256 bits are the low nibbles of bytes `32j..32j + 32` (values `64j..64j + 32`, sub-block
@@ -355,4 +359,90 @@ fn broadcast4(q: &[i8]) -> __m512i {
     assert!(q.len() >= 4);
     // SAFETY: four bytes, read unaligned.
     _mm512_set1_epi32(unsafe { (q.as_ptr() as *const i32).read_unaligned() })
+}
+
+/// Sixteen Q4_0 weight rows (the split layout: nibbles, f32 scales apart) laid out for
+/// `gemm_q4_0_x16`, row `r` in 32-bit lane `r` of every field, as `Q4kX16`.
+pub(super) struct Q40X16 {
+    blocks: Vec<Q40X16Block>,
+}
+
+#[repr(C, align(64))]
+struct Q40X16Block {
+    d: [f32; 16],
+    /// Per 4-byte group of the 16 nibble bytes: the rows' four bytes, row `r` at `4r..4r + 4`.
+    qs: [[u8; 64]; 4],
+}
+
+impl Q40X16 {
+    /// `quants`: sixteen rows' nibbles (16 bytes per block); `scales`: their block scales.
+    pub(super) fn new(quants: [&[u8]; 16], scales: [&[f32]; 16]) -> Self {
+        let nb = scales[0].len();
+        assert!((0..16).all(|r| quants[r].len() == 16 * nb && scales[r].len() == nb));
+        let blocks = (0..nb)
+            .map(|i| {
+                let mut out = Q40X16Block {
+                    d: std::array::from_fn(|r| scales[r][i]),
+                    qs: [[0; 64]; 4],
+                };
+                for (r, row) in quants.iter().enumerate() {
+                    for (g, group) in out.qs.iter_mut().enumerate() {
+                        let at = 16 * i + 4 * g;
+                        group[4 * r..4 * r + 4].copy_from_slice(&row[at..at + 4]);
+                    }
+                }
+                out
+            })
+            .collect();
+        Self { blocks }
+    }
+}
+
+/// `dot_repacked_32` of a Q4_0 weight (llama.cpp's `gemm_q4_0_8x8`) for sixteen weight rows
+/// against four activation rows, each output in a lane of its own: per block, `vpdpbusd` adds
+/// the unsigned nibbles times broadcast activation groups onto `−8·Σx` (so the lane is the
+/// exact block sum `Σ (q − 8)·x`), then `acc = fma(isum, d_w·d_x, acc)`: the specification's
+/// integers and float steps, so its bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn gemm_q4_0_x16(w: &Q40X16, x: [&QuantRow; 4]) -> [[f32; 16]; 4] {
+    let nb = w.blocks.len();
+    assert!(
+        x.iter()
+            .all(|x| x.quants.len() >= BLOCK * nb && x.scales.len() >= nb)
+    );
+    let m4 = _mm512_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi8(1);
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for (i, b) in w.blocks.iter().enumerate() {
+        let mut isum = [_mm512_setzero_si512(); 4];
+        for a in 0..4 {
+            // SAFETY: block i's 32 activations are in `quants` (asserted above).
+            let y = unsafe {
+                _mm256_loadu_si256(x[a].quants.as_ptr().add(BLOCK * i) as *const __m256i)
+            };
+            let total = hsum_i32_8(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, y));
+            isum[a] = _mm512_set1_epi32(-8 * total);
+        }
+        for g in 0..4 {
+            let wq = load_bytes(&b.qs[g]);
+            let lo = _mm512_and_si512(wq, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wq), m4);
+            for a in 0..4 {
+                let q = &x[a].quants[BLOCK * i..BLOCK * i + BLOCK];
+                isum[a] = _mm512_dpbusd_epi32(isum[a], lo, broadcast4(&q[4 * g..]));
+                isum[a] = _mm512_dpbusd_epi32(isum[a], hi, broadcast4(&q[16 + 4 * g..]));
+            }
+        }
+        let d = load_ps(&b.d);
+        for a in 0..4 {
+            let scale = _mm512_mul_ps(d, _mm512_set1_ps(x[a].scales[i]));
+            acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[a]), scale, acc[a]);
+        }
+    }
+    let mut out = [[0.0f32; 16]; 4];
+    for a in 0..4 {
+        // SAFETY: 16 f32 = 64 bytes.
+        unsafe { _mm512_storeu_ps(out[a].as_mut_ptr(), acc[a]) };
+    }
+    out
 }

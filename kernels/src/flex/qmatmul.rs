@@ -547,54 +547,77 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
     let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
     let mut out_t = vec![0.0f32; n * m];
     let fast = cpu_level() >= CpuLevel::Avx2;
-    let column = |j: usize, col: &mut [f32]| {
-        let wq = &bytes[j * row_bytes..(j + 1) * row_bytes];
-        let ws = &w.scales[j * nb..(j + 1) * nb];
-        for (o, row) in col.iter_mut().zip(&rows) {
-            *o = blocks::dot_repacked_32(
-                nb,
-                row,
-                |b, i| weight_quant(Format::Q4_0, &wq[16 * b..], i),
-                |b| ws[b],
-            );
+    let quants = |j: usize| &bytes[j * row_bytes..(j + 1) * row_bytes];
+    let scales = |j: usize| &w.scales[j * nb..(j + 1) * nb];
+    // Columns `j0..j0 + 8` (`cols`, `m` values each) for activation rows `i0..`.
+    let eight = |j0: usize, i0: usize, cols: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            let weights = || blocks32_avx2::Repacked8::Q4_0 {
+                quants: std::array::from_fn(|r| quants(j0 + r)),
+                scales: std::array::from_fn(|r| scales(j0 + r)),
+            };
+            // Four activation rows per call (each weight register unpacked once for all
+            // four, as llama.cpp's `gemm_q4_0_8x8` does), then the rest one at a time.
+            let mut i = i0;
+            while i + 4 <= m {
+                let x = std::array::from_fn(|a| &rows[i + a]);
+                // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+                let y = unsafe { blocks32_avx2::dot8_repacked_32::<4>(nb, x, weights()) };
+                for (a, y) in y.iter().enumerate() {
+                    (0..8).for_each(|r| cols[r * m + i + a] = y[r]);
+                }
+                i += 4;
+            }
+            for i in i..m {
+                // SAFETY: as above.
+                let [y] =
+                    unsafe { blocks32_avx2::dot8_repacked_32::<1>(nb, [&rows[i]], weights()) };
+                (0..8).for_each(|r| cols[r * m + i] = y[r]);
+            }
+            return;
+        }
+        for (c, col) in cols.chunks_mut(m).enumerate() {
+            let (wq, ws) = (quants(j0 + c), scales(j0 + c));
+            for (o, row) in col.iter_mut().zip(&rows).skip(i0) {
+                *o = blocks::dot_repacked_32(
+                    nb,
+                    row,
+                    |b, i| weight_quant(Format::Q4_0, &wq[16 * b..], i),
+                    |b| ws[b],
+                );
+            }
         }
     };
-    // Groups of eight columns, as llama.cpp's 8x8 kernels (the repacked layout needs n % 8 == 0).
+    // Groups of eight columns, as llama.cpp's 8x8 kernels (the repacked layout needs n % 8 ==
+    // 0); sixteen where the CPU has AVX-512 VNNI and there are four activation rows to share
+    // them, each output in a 32-bit lane of its own (`blocks_vnni::gemm_q4_0_x16`).
+    let sixteen = m >= 4 && cpu_level() >= CpuLevel::Avx512;
+    let width = if sixteen { 16 } else { 8 };
     out_t
-        .par_chunks_mut(8 * m)
+        .par_chunks_mut(width * m)
         .enumerate()
         .for_each(|(g, cols)| {
+            let j0 = width * g;
+            let mut i0 = 0;
             #[cfg(target_arch = "x86_64")]
-            if fast && cols.len() == 8 * m {
-                let j0 = 8 * g;
-                let weights = || blocks32_avx2::Repacked8::Q4_0 {
-                    quants: std::array::from_fn(|r| {
-                        &bytes[(j0 + r) * row_bytes..(j0 + r + 1) * row_bytes]
-                    }),
-                    scales: std::array::from_fn(|r| &w.scales[(j0 + r) * nb..(j0 + r + 1) * nb]),
-                };
-                // Four activation rows per call (each weight register unpacked once for all
-                // four, as llama.cpp's `gemm_q4_0_8x8` does), then the rest one at a time.
-                let mut i = 0;
-                while i + 4 <= m {
-                    let x = std::array::from_fn(|a| &rows[i + a]);
-                    // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
-                    let y = unsafe { blocks32_avx2::dot8_repacked_32::<4>(nb, x, weights()) };
+            if sixteen && cols.len() == 16 * m {
+                let x16 = blocks_vnni::Q40X16::new(
+                    std::array::from_fn(|r| quants(j0 + r)),
+                    std::array::from_fn(|r| scales(j0 + r)),
+                );
+                while i0 + 4 <= m {
+                    let x = std::array::from_fn(|a| &rows[i0 + a]);
+                    // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI (`cpu_level`).
+                    let y = unsafe { blocks_vnni::gemm_q4_0_x16(&x16, x) };
                     for (a, y) in y.iter().enumerate() {
-                        (0..8).for_each(|r| cols[r * m + i + a] = y[r]);
+                        (0..16).for_each(|r| cols[r * m + i0 + a] = y[r]);
                     }
-                    i += 4;
+                    i0 += 4;
                 }
-                for i in i..m {
-                    // SAFETY: as above.
-                    let [y] =
-                        unsafe { blocks32_avx2::dot8_repacked_32::<1>(nb, [&rows[i]], weights()) };
-                    (0..8).for_each(|r| cols[r * m + i] = y[r]);
-                }
-                return;
             }
-            for (c, col) in cols.chunks_mut(m).enumerate() {
-                column(8 * g + c, col);
+            for (h, half) in cols.chunks_mut(8 * m).enumerate() {
+                eight(j0 + 8 * h, i0, half);
             }
         });
     transpose_columns(out_t, m, n)
@@ -762,6 +785,45 @@ mod tests {
                     assert_eq!(one[r].to_bits(), want.to_bits(), "row {r}, {nb} blocks");
                     assert_eq!(
                         four[a][r].to_bits(),
+                        want.to_bits(),
+                        "row {r}, act {a}, {nb} blocks"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Q4_0's sixteen-row kernel (AVX-512 VNNI) gives each output the specification's bits.
+    #[test]
+    fn repacked_q4_0_sixteen_rows_match_the_spec() {
+        if cpu_level() < CpuLevel::Avx512 {
+            return;
+        }
+        let mut next = uniform(11);
+        for nb in [1usize, 18, 65] {
+            let k = nb * BLOCK;
+            let rows: Vec<QuantRow> = (0..4)
+                .map(|_| quantize_row(&(0..k).map(|_| next() * 4.0 - 2.0).collect::<Vec<_>>()))
+                .collect();
+            let w: Vec<u8> = (0..16 * nb * 16).map(|_| (next() * 256.0) as u8).collect();
+            let s: Vec<f32> = (0..16 * nb).map(|_| next() * 0.1).collect();
+            let x16 = blocks_vnni::Q40X16::new(
+                std::array::from_fn(|r| &w[r * nb * 16..(r + 1) * nb * 16]),
+                std::array::from_fn(|r| &s[r * nb..(r + 1) * nb]),
+            );
+            // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI (checked above).
+            let got =
+                unsafe { blocks_vnni::gemm_q4_0_x16(&x16, std::array::from_fn(|a| &rows[a])) };
+            for (a, row) in rows.iter().enumerate() {
+                for r in 0..16 {
+                    let want = blocks::dot_repacked_32(
+                        nb,
+                        row,
+                        |b, i| weight_quant(Format::Q4_0, &w[(r * nb + b) * 16..], i),
+                        |b| s[r * nb + b],
+                    );
+                    assert_eq!(
+                        got[a][r].to_bits(),
                         want.to_bits(),
                         "row {r}, act {a}, {nb} blocks"
                     );
