@@ -14,7 +14,16 @@ pub(super) struct QuantRow {
     pub(super) sums: Vec<f32>,
 }
 
-with_fma!(pub(super) fn quantize_row = quantize_row_impl(x: &[f32]) -> QuantRow);
+/// `quantize_row_impl`, vectorized where the CPU allows (the same bits).
+pub(super) fn quantize_row(x: &[f32]) -> QuantRow {
+    #[cfg(target_arch = "x86_64")]
+    if vnni::available() {
+        return vnni::quantize_row(x);
+    }
+    quantize_row_fma(x)
+}
+
+with_fma!(fn quantize_row_fma = quantize_row_impl(x: &[f32]) -> QuantRow);
 
 /// ggml's `quantize_row_q8_0` / `quantize_row_q8_1` (x86 path): `d = amax / 127` stored as
 /// f16, `q = round_half_even(x * 127 / amax)`, and for Q8_1 `s = f16(d * Σq)` with the unrounded d.

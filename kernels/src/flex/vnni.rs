@@ -66,6 +66,24 @@ fn offset(format: Format) -> i32 {
     }
 }
 
+/// `quantize_row_impl` (the specification) block by block through `quantize_block`.
+pub(super) fn quantize_row(x: &[f32]) -> super::QuantRow {
+    let nb = x.len() / BLOCK;
+    let mut row = super::QuantRow {
+        quants: vec![0; nb * BLOCK],
+        scales: vec![0.0; nb],
+        sums: vec![0.0; nb],
+    };
+    for (b, block) in x.chunks_exact(BLOCK).enumerate() {
+        // SAFETY: callers checked `available()`.
+        let (q, d, _, s) = unsafe { quantize_block(block) };
+        row.quants[b * BLOCK..(b + 1) * BLOCK].copy_from_slice(&q);
+        row.scales[b] = d;
+        row.sums[b] = s;
+    }
+    row
+}
+
 /// ggml's `quantize_row_q8_0`/`q8_1` on one block (see `quantize_row_impl`, the specification):
 /// the quants, `f16(amax / 127)`, the 8 lane sums of 4 quants, and `f16(d · Σq)`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
@@ -484,6 +502,10 @@ mod tests {
                 })
                 .collect();
             let want = quantize_row_impl(&x);
+            let row = super::quantize_row(&x);
+            assert_eq!(row.quants, want.quants, "case {case}");
+            assert_eq!(row.scales[0].to_bits(), want.scales[0].to_bits());
+            assert_eq!(row.sums[0].to_bits(), want.sums[0].to_bits());
             let (q, d, s4, s) = unsafe { quantize_block(&x) };
             assert_eq!(&q[..], &want.quants[..], "case {case}");
             assert_eq!(d.to_bits(), want.scales[0].to_bits());
