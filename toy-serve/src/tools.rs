@@ -9,6 +9,8 @@
 //!   `COMMON_CHAT_FORMAT_HERMES_2_PRO`);
 //! - Mistral (v3 to v7 templates): `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}`
 //!   to the end of the output (llama.cpp's `COMMON_CHAT_FORMAT_MISTRAL_NEMO`);
+//! - Mistral v11 (Mistral Small 3.2, Magistral, Devstral templates, whose calls carry `[ARGS]`):
+//!   `[TOOL_CALLS]name[ARGS]{…}` per call, as mistral-common's v11 tokenizer writes them;
 //! - Granite 3: `<|tool_call|>` then a JSON array of calls to the end of the output (llama.cpp's
 //!   `COMMON_CHAT_FORMAT_GRANITE`).
 //!
@@ -33,6 +35,9 @@ pub struct Syntax {
     close: Option<&'static str>,
     /// The body is a JSON array of calls (else one call object per block).
     list: bool,
+    /// The body is the function's name, this marker, then its arguments' JSON (Mistral v11);
+    /// each call has its own opening marker, which also ends the call before it.
+    args: Option<&'static str>,
 }
 
 impl Syntax {
@@ -40,27 +45,54 @@ impl Syntax {
         open: "<tool_call>",
         close: Some("</tool_call>"),
         list: false,
+        args: None,
     };
     pub const MISTRAL: Syntax = Syntax {
         open: "[TOOL_CALLS]",
         close: None,
         list: true,
+        args: None,
+    };
+    pub const MISTRAL_V11: Syntax = Syntax {
+        open: "[TOOL_CALLS]",
+        close: None,
+        list: false,
+        args: Some("[ARGS]"),
     };
     pub const GRANITE: Syntax = Syntax {
         open: "<|tool_call|>",
         close: None,
         list: true,
+        args: None,
     };
 
-    /// The syntax `template` writes tool calls in, if toy knows it.
+    /// The syntax `template` writes tool calls in, if toy knows it (a template that writes
+    /// `[ARGS]` as well as `[TOOL_CALLS]` is Mistral v11's).
     pub fn of_template(template: &str) -> Option<Syntax> {
-        [Syntax::HERMES, Syntax::MISTRAL, Syntax::GRANITE]
-            .into_iter()
-            .find(|s| template.contains(s.open))
+        [
+            Syntax::HERMES,
+            Syntax::MISTRAL_V11,
+            Syntax::MISTRAL,
+            Syntax::GRANITE,
+        ]
+        .into_iter()
+        .find(|s| template.contains(s.open) && s.args.is_none_or(|a| template.contains(a)))
     }
 
     /// The calls a block's body holds, if it is one (a list syntax's body is an array of them).
     fn parse_body(&self, body: &str) -> Option<Vec<ToolCall>> {
+        if let Some(marker) = self.args {
+            let (name, arguments) = body.split_once(marker)?;
+            let name = name.trim();
+            let arguments: Value = serde_json::from_str(arguments.trim()).ok()?;
+            if name.is_empty() || name.contains(char::is_whitespace) || !arguments.is_object() {
+                return None;
+            }
+            return Some(vec![ToolCall {
+                name: name.to_string(),
+                arguments: arguments.to_string(),
+            }]);
+        }
         let v: Value = serde_json::from_str(body.trim()).ok()?;
         match v {
             Value::Array(items) if self.list => items.iter().map(call_of).collect(),
@@ -194,7 +226,7 @@ pub fn check(
     let Some(syntax) = Syntax::of_template(template) else {
         return Err(invalid(
             "tools",
-            "this model's chat template has no tool-call syntax toy knows (Hermes <tool_call> blocks, Mistral [TOOL_CALLS], Granite <|tool_call|>): \
+            "this model's chat template has no tool-call syntax toy knows (Hermes <tool_call> blocks, Mistral [TOOL_CALLS] and [TOOL_CALLS]name[ARGS], Granite <|tool_call|>): \
              start toy serve with a --chat-template-file that has one, or send the request without tools"
                 .into(),
         ));
@@ -231,11 +263,39 @@ impl ToolRequest {
             }),
         };
         let open = self.syntax.open;
+        let repeat = if self.parallel { "+" } else { "" };
+        if let Some(marker) = self.syntax.args {
+            // `[TOOL_CALLS]name[ARGS]{…}` per call: one rule per allowed function.
+            let allowed: Vec<(&str, &Value)> = match &self.choice {
+                Choice::Auto => return None,
+                Choice::Named { name, parameters } => vec![(name.as_str(), parameters)],
+                Choice::Required => self
+                    .functions
+                    .iter()
+                    .map(|(n, p)| (n.as_str(), p))
+                    .collect(),
+            };
+            let literal = |s: String| serde_json::to_string(&s).expect("a string");
+            let names: Vec<String> = (0..allowed.len()).map(|i| format!("fn{i}")).collect();
+            let mut lark = format!(
+                "start: call{repeat}\ncall: {} ({})\n",
+                literal(open.to_string()),
+                names.join(" | ")
+            );
+            for (i, (name, parameters)) in allowed.into_iter().enumerate() {
+                let mut schema = parameters.clone();
+                schema["x-guidance"] = crate::grammar::json_layout();
+                lark += &format!(
+                    "fn{i}: {} args{i}\nargs{i}: %json {schema}\n",
+                    literal(format!("{name}{marker}"))
+                );
+            }
+            return Some(llguidance::api::TopLevelGrammar::from_lark(lark));
+        }
         let lark = match self.syntax.close {
             Some(close) => {
                 let mut schema = schema;
                 schema["x-guidance"] = crate::grammar::json_layout();
-                let repeat = if self.parallel { "+" } else { "" };
                 format!(
                     "start: call{repeat}\ncall: \"{open}\\n\" body \"\\n{close}\"\nbody: %json {schema}\n"
                 )
@@ -351,17 +411,21 @@ impl CallSplitter {
         let mut out = Vec::new();
         loop {
             if self.in_call {
-                // A list runs to the end of the output: `finish` parses it.
-                let Some(close) = close else { break };
-                let Some(end) = self.pending.find(close) else {
-                    break;
+                // A block ends at its closing marker (taken with it), or in Mistral v11 at the
+                // next call's marker (left to open the next block). A list runs to the end of
+                // the output: `finish` parses it.
+                let end = match (close, self.syntax.args) {
+                    (Some(close), _) => self.pending.find(close).map(|e| (e, close)),
+                    (None, Some(_)) => self.pending.find(open).map(|e| (e, "")),
+                    (None, None) => break,
                 };
+                let Some((end, closing)) = end else { break };
                 let block = self.pending[..end].to_string();
-                self.pending.drain(..end + close.len());
+                self.pending.drain(..end + closing.len());
                 self.in_call = false;
                 match self.syntax.parse_body(&block) {
                     Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
-                    None => out.push(Piece::Text(format!("{open}{block}{close}"))),
+                    None => out.push(Piece::Text(format!("{open}{block}{closing}"))),
                 }
             } else if let Some(start) = self.pending.find(open) {
                 if start > 0 {
@@ -640,6 +704,87 @@ mod tests {
                 .collect();
             assert_eq!(texts, "ok [TOOL ", "step {step}");
             assert_eq!(calls, two, "step {step}");
+        }
+    }
+
+    /// Streamed in pieces of every size up to `max`, `text` splits into this text and these calls.
+    fn split_in_pieces(text: &str, syntax: Syntax, max: usize) -> Vec<(String, Vec<ToolCall>)> {
+        (1..=max)
+            .map(|step| {
+                let mut s = CallSplitter::new(syntax);
+                let mut pieces = Vec::new();
+                let chars: Vec<char> = text.chars().collect();
+                for chunk in chars.chunks(step) {
+                    pieces.extend(s.push(&chunk.iter().collect::<String>()));
+                }
+                pieces.extend(s.finish());
+                let mut texts = String::new();
+                let mut calls = Vec::new();
+                for p in pieces {
+                    match p {
+                        Piece::Text(t) => texts.push_str(&t),
+                        Piece::Call(c) => calls.push(c),
+                    }
+                }
+                (texts, calls)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn mistral_v11_calls_are_name_args_json_after_each_marker() {
+        let v11 = "{%- for tc in m.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]{{ tc.function.arguments|tojson }}{%- endfor %}";
+        assert_eq!(Syntax::of_template(v11), Some(Syntax::MISTRAL_V11));
+        let two = vec![
+            ToolCall {
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris"}"#.into(),
+            },
+            ToolCall {
+                name: "f".into(),
+                arguments: "{}".into(),
+            },
+        ];
+        let text = r#"Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]f[ARGS]{}"#;
+        let (content, calls) = parse(text, Syntax::MISTRAL_V11);
+        assert_eq!((content.as_deref(), calls), (Some("Sure."), two.clone()));
+        for (step, (texts, calls)) in split_in_pieces(text, Syntax::MISTRAL_V11, 7)
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(texts, "Sure.", "step {}", step + 1);
+            assert_eq!(calls, two, "step {}", step + 1);
+        }
+        // A cut call, or one without `[ARGS]`, stays text as the model wrote it.
+        for broken in [
+            r#"[TOOL_CALLS]f[ARGS]{"a"#,
+            "[TOOL_CALLS]f{}",
+            r#"[TOOL_CALLS][ARGS]{}"#,
+        ] {
+            assert_eq!(
+                parse(broken, Syntax::MISTRAL_V11),
+                (Some(broken.to_string()), vec![]),
+                "{broken}"
+            );
+        }
+        // Forced calls: one (parallel off), or several, each a known name with its schema.
+        for (parallel, seed) in [(false, 5), (true, 9)] {
+            let r = check(Some(&weather()), Some(&json!("required")), parallel, v11)
+                .unwrap()
+                .unwrap();
+            let text = crate::grammar::tests::sample_with_random_logits(r.grammar().unwrap(), seed);
+            assert!(text.starts_with("[TOOL_CALLS]get_weather[ARGS]{"), "{text}");
+            let (content, calls) = parse(&text, r.syntax);
+            assert_eq!(content, None, "{text}");
+            assert!(
+                !calls.is_empty() && (parallel || calls.len() == 1),
+                "{text}"
+            );
+            for c in calls {
+                assert_eq!(c.name, "get_weather");
+                let args: Value = serde_json::from_str(&c.arguments).unwrap();
+                assert!(args["city"].is_string(), "{text}");
+            }
         }
     }
 
