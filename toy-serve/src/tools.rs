@@ -654,16 +654,7 @@ mod tests {
         assert_eq!(Syntax::of_template(mistral), Some(Syntax::MISTRAL));
         assert_eq!(Syntax::of_template(granite), Some(Syntax::GRANITE));
         assert_eq!(Syntax::of_template("{{ messages }}"), None);
-        let two = vec![
-            ToolCall {
-                name: "get_weather".into(),
-                arguments: r#"{"city":"Paris"}"#.into(),
-            },
-            ToolCall {
-                name: "f".into(),
-                arguments: "{}".into(),
-            },
-        ];
+        let two = two_calls();
         let (content, calls) = parse(
             r#"[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}]"#,
             Syntax::MISTRAL,
@@ -680,31 +671,27 @@ mod tests {
         assert_eq!(parse(cut, Syntax::MISTRAL), (Some(cut.to_string()), vec![]));
         // Streamed in any pieces, the calls come out at the end, after the text before them.
         let text = r#"ok [TOOL [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f"}]"#;
-        for step in 1..6 {
-            let mut s = CallSplitter::new(Syntax::MISTRAL);
-            let mut pieces = Vec::new();
-            let chars: Vec<char> = text.chars().collect();
-            for chunk in chars.chunks(step) {
-                pieces.extend(s.push(&chunk.iter().collect::<String>()));
-            }
-            pieces.extend(s.finish());
-            let texts: String = pieces
-                .iter()
-                .filter_map(|p| match p {
-                    Piece::Text(t) => Some(t.as_str()),
-                    Piece::Call(_) => None,
-                })
-                .collect();
-            let calls: Vec<ToolCall> = pieces
-                .into_iter()
-                .filter_map(|p| match p {
-                    Piece::Call(c) => Some(c),
-                    Piece::Text(_) => None,
-                })
-                .collect();
-            assert_eq!(texts, "ok [TOOL ", "step {step}");
-            assert_eq!(calls, two, "step {step}");
+        for (step, (texts, calls)) in split_in_pieces(text, Syntax::MISTRAL, 5)
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(texts, "ok [TOOL ", "step {}", step + 1);
+            assert_eq!(calls, two, "step {}", step + 1);
         }
+    }
+
+    /// `get_weather(city: Paris)` and `f()`, as the list tests' texts write them.
+    fn two_calls() -> Vec<ToolCall> {
+        vec![
+            ToolCall {
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris"}"#.into(),
+            },
+            ToolCall {
+                name: "f".into(),
+                arguments: "{}".into(),
+            },
+        ]
     }
 
     /// Streamed in pieces of every size up to `max`, `text` splits into this text and these calls.
@@ -735,16 +722,7 @@ mod tests {
     fn mistral_v11_calls_are_name_args_json_after_each_marker() {
         let v11 = "{%- for tc in m.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]{{ tc.function.arguments|tojson }}{%- endfor %}";
         assert_eq!(Syntax::of_template(v11), Some(Syntax::MISTRAL_V11));
-        let two = vec![
-            ToolCall {
-                name: "get_weather".into(),
-                arguments: r#"{"city":"Paris"}"#.into(),
-            },
-            ToolCall {
-                name: "f".into(),
-                arguments: "{}".into(),
-            },
-        ];
+        let two = two_calls();
         let text = r#"Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]f[ARGS]{}"#;
         let (content, calls) = parse(text, Syntax::MISTRAL_V11);
         assert_eq!((content.as_deref(), calls), (Some("Sure."), two.clone()));

@@ -95,6 +95,19 @@ pub(super) fn form(ty: GgmlType, repacked: bool, i: usize, m: usize) -> Form {
     }
 }
 
+/// Four activation rows as Q8_K super-blocks, if all four are.
+fn q8k_rows<'a>(x: [&'a ActRow; 4]) -> Option<[&'a [Q8K]; 4]> {
+    match x {
+        [
+            ActRow::Q8K(a),
+            ActRow::Q8K(b),
+            ActRow::Q8K(c),
+            ActRow::Q8K(d),
+        ] => Some([a, b, c, d]),
+        _ => None,
+    }
+}
+
 /// One activation row in the form its weight type's dot product reads.
 enum ActRow {
     Q8(QuantRow),
@@ -273,32 +286,12 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx2 {
         use super::blocks32_avx2 as w32;
-        if let (
-            [
-                ActRow::Q8K(a),
-                ActRow::Q8K(b),
-                ActRow::Q8K(c),
-                ActRow::Q8K(d),
-            ],
-            GgmlType::Q4K,
-        ) = (x, ty)
-        {
+        if let (Some(x), GgmlType::Q4K) = (q8k_rows(x), ty) {
             // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
             return (form == Form::Gemm)
-                .then(|| unsafe { super::blocks_avx2::dot_q4_k_gemm_rows4(w, [a, b, c, d]) });
+                .then(|| unsafe { super::blocks_avx2::dot_q4_k_gemm_rows4(w, x) });
         }
-        if let (
-            [
-                ActRow::Q8K(a),
-                ActRow::Q8K(b),
-                ActRow::Q8K(c),
-                ActRow::Q8K(d),
-            ],
-            GgmlType::Q6K,
-            Form::Tiled,
-        ) = (x, ty, form)
-        {
-            let x = [a, b, c, d].map(Vec::as_slice);
+        if let (Some(x), GgmlType::Q6K, Form::Tiled) = (q8k_rows(x), ty, form) {
             // SAFETY: the CPU has AVX2, FMA and F16C, and AVX-512 F/BW/VL/VNNI at that level
             // (`cpu_level`).
             return Some(unsafe {
@@ -332,17 +325,9 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
 fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Option<[[f32; 4]; 2]> {
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx512 && ty == GgmlType::Q4K && form == Form::Gemm {
-        let [
-            ActRow::Q8K(a),
-            ActRow::Q8K(b),
-            ActRow::Q8K(c),
-            ActRow::Q8K(d),
-        ] = x
-        else {
-            return None;
-        };
+        let x = q8k_rows(x)?;
         // SAFETY: the CPU has AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI (`cpu_level`).
-        return Some(unsafe { super::blocks_vnni::dot2_q4_k_gemm_rows4(w, [a, b, c, d]) });
+        return Some(unsafe { super::blocks_vnni::dot2_q4_k_gemm_rows4(w, x) });
     }
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx512 && form == Form::VecDot {
@@ -395,17 +380,9 @@ fn q4k_x16<'a>(
 fn dot16_rows4(w: &Q4kX16, x: [&ActRow; 4]) -> Option<[[f32; 16]; 4]> {
     #[cfg(target_arch = "x86_64")]
     {
-        let [
-            ActRow::Q8K(a),
-            ActRow::Q8K(b),
-            ActRow::Q8K(c),
-            ActRow::Q8K(d),
-        ] = x
-        else {
-            return None;
-        };
+        let x = q8k_rows(x)?;
         // SAFETY: `Q4kX16` is built only where the CPU has AVX-512 F/BW/VL/VNNI (`q4k_x16`).
-        Some(unsafe { super::blocks_vnni::gemm_q4_k_x16(w, [a, b, c, d]) })
+        Some(unsafe { super::blocks_vnni::gemm_q4_k_x16(w, x) })
     }
     #[cfg(not(target_arch = "x86_64"))]
     match *w {}

@@ -142,17 +142,10 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
             let got = dot_rows4(ty, &w, rows, form).expect("a 4-row kernel");
             // On an AVX-512 machine `dot_rows4` takes Q6_K's VNNI kernel: check the AVX2 one
             // it stands in for as well.
-            let avx2_q6k = match rows {
-                [
-                    ActRow::Q8K(a),
-                    ActRow::Q8K(b),
-                    ActRow::Q8K(c),
-                    ActRow::Q8K(d),
-                ] if ty == GgmlType::Q6K => {
-                    // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
-                    Some(unsafe {
-                        super::super::blocks_avx2::dot_q6_k_tiled_rows4(&w, [a, b, c, d])
-                    })
+            let avx2_q6k = match q8k_rows(rows) {
+                // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+                Some(x) if ty == GgmlType::Q6K => {
+                    Some(unsafe { super::super::blocks_avx2::dot_q6_k_tiled_rows4(&w, x) })
                 }
                 _ => None,
             };
