@@ -321,14 +321,8 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
 
 /// Eight outputs — two weight rows against four activation rows of the same form — where a
 /// CPU-specific kernel computes them (the same bits as eight `dot_avx2` calls); `None`
-/// elsewhere. Today: Q5_0 and Q5_1 (`VecDot`) and Q4_K (`Gemm`) on CPUs with AVX-512 VNNI.
+/// elsewhere. Today: Q5_0 and Q5_1 on CPUs with AVX-512 VNNI.
 fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Option<[[f32; 4]; 2]> {
-    #[cfg(target_arch = "x86_64")]
-    if super::cpu_level() >= super::CpuLevel::Avx512 && ty == GgmlType::Q4K && form == Form::Gemm {
-        let x = q8k_rows(x)?;
-        // SAFETY: the CPU has AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI (`cpu_level`).
-        return Some(unsafe { super::blocks_vnni::dot2_q4_k_gemm_rows4(w, x) });
-    }
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx512 && form == Form::VecDot {
         use super::blocks32_avx2 as w32;

@@ -138,7 +138,7 @@ fn q3k_lanes(b: &[u8], y: &Q8K) -> __m256i {
 /// (the same values as `scales_k4`, in a dozen integer operations instead of a loop).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn scales_mins_k4(s: &[u8]) -> (__m256i, __m128i) {
+fn scales_mins_k4(s: &[u8]) -> (__m256i, __m128i) {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
@@ -171,7 +171,7 @@ fn k4_scale(scales: __m256i, i: usize) -> __m256i {
 /// with `s` the activations' 32-value sums (`_mm_hadd_epi16` of the 16-value ones).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn mins_prod(mins: __m128i, y: &Q8K) -> __m128i {
+fn mins_prod(mins: __m128i, y: &Q8K) -> __m128i {
     _mm_madd_epi16(mins, q8_sums32_i16(y))
 }
 
@@ -553,7 +553,7 @@ pub(super) fn dot_q4_k_gemm_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
 /// The 4 × 4 transpose of i32 lanes: lane a of result j is lane j of `v[a]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn transpose4(v: [__m128i; 4]) -> [__m128i; 4] {
+fn transpose4(v: [__m128i; 4]) -> [__m128i; 4] {
     let t0 = _mm_unpacklo_epi32(v[0], v[1]); // v0.0 v1.0 v0.1 v1.1
     let t1 = _mm_unpacklo_epi32(v[2], v[3]); // v2.0 v3.0 v2.1 v3.1
     let t2 = _mm_unpackhi_epi32(v[0], v[1]); // v0.2 v1.2 v0.3 v1.3

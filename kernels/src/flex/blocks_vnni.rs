@@ -1,46 +1,23 @@
 //! K-quant and Q4_0 kernels on CPUs with AVX-512 VNNI: the same bits as `blocks_avx2.rs` and
 //! `blocks32_avx2.rs`, fewer instructions per product.
 //!
-//! What fixes an output's bits is ggml's float steps (one `fma` per super-block part, in order)
-//! on exact integer sums. The AVX2 kernels form each 32-value sub-block's scaled sum with
-//! `maddubs` then `madd` by the broadcast scale, per activation row. Here `vpdpbusd` (unsigned
-//! weight × signed activation, four products per i32 lane) forms the *unscaled* sub-block
-//! sums 64 values per 512-bit instruction, a few shuffles gather the eight sub-block sums of a
-//! super-block into one register, and one `vpmulld` applies the eight scales: the same
-//! integers, so the same bits (tested against the scalar specification in `blocks/tests.rs`).
+//! What fixes an output's bits is ggml's float steps on exact integer sums; the integers may be
+//! formed by any instructions. Two ways here, both on `vpdpbusd` (unsigned weight × signed
+//! activation, four products per i32 lane):
+//! - Q4_K and Q4_0 prefill (`gemm_q4_k_x16`, `gemm_q4_0_x16`): sixteen weight rows side by side
+//!   (`Q4kX16`, `Q40X16`, built per matmul task), each 32-bit lane one output, the activations
+//!   broadcast — no sums across lanes at all;
+//! - Q6_K's tiled 4-row form: one weight row, 64 values per instruction, the lanes gathered
+//!   into sub-block sums by a shuffle tree (`sums_of_fours`) and scaled by one `vpmulld`.
+//!
+//! Each kernel is tested against the scalar specification (`blocks/tests.rs`, `qmatmul.rs`).
 
 use std::arch::x86_64::*;
 
 use super::blocks::Q8K;
-use super::blocks_avx2::{
-    f16c_at, hsum_i32_8, load128, mins_prod, q6k_values, scales_mins_k4, transpose4,
-};
+use super::blocks_avx2::{f16c_at, hsum_i32_8, load128, q6k_values};
 use super::qmatmul::QuantRow;
 use crate::packed::BLOCK;
-
-/// A Q4_K super-block's four 64-value parts as 512-bit registers of nibbles: part `j`'s low
-/// 256 bits are the low nibbles of bytes `32j..32j + 32` (values `64j..64j + 32`, sub-block
-/// `2j`), its high 256 bits their high nibbles (values `64j + 32..64j + 64`, sub-block `2j + 1`)
-/// — so one register lines up with 64 consecutive activations.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn q4k_parts(qs: &[u8]) -> [__m512i; 4] {
-    assert!(qs.len() >= 128);
-    let m4 = _mm512_set1_epi8(0x0F);
-    // Plain loops, not `array::from_fn`: a closure is not compiled with this function's
-    // target features, so it would not inline.
-    let mut parts = [_mm512_setzero_si512(); 4];
-    for (j, part) in parts.iter_mut().enumerate() {
-        // SAFETY: bytes 32j..32j + 32 ≤ 128 are in `qs`.
-        let bits = unsafe { _mm256_loadu_si256(qs.as_ptr().add(32 * j) as *const __m256i) };
-        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(bits), bits);
-        // Shift the high half's bytes down a nibble (16-bit shifts: the mask drops what
-        // crosses from the neighbouring byte).
-        let shifted = _mm512_mask_srli_epi16::<4>(both, 0xFFFF_0000, both);
-        *part = _mm512_and_si512(shifted, m4);
-    }
-    parts
-}
 
 /// Sums of four lanes: per 128-bit lane `L`, element `j` of the result is the sum of lanes
 /// `4L..4L + 4` of `a[j]`. Exact: integer additions in any order.
@@ -59,22 +36,6 @@ fn sums_of_fours(a: [__m512i; 4]) -> __m512i {
     _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1))
 }
 
-/// The eight unscaled sub-block sums of one Q4_K super-block from the four parts' `vpdpbusd`
-/// lanes (`a[j]`: lanes 0–7 sub-block `2j`, lanes 8–15 sub-block `2j + 1`), as
-/// `[s0, s2, s4, s6 | s1, s3, s5, s7]`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn sub_block_sums(a: [__m512i; 4]) -> __m256i {
-    let u = sums_of_fours(a);
-    // 128-bit lanes [L0, L2] + [L1, L3]: even sub-blocks (lanes 0–7), then odd ones (8–15).
-    let even_halves = _mm512_shuffle_i32x4::<0b00_00_10_00>(u, u);
-    let odd_halves = _mm512_shuffle_i32x4::<0b00_00_11_01>(u, u);
-    _mm256_add_epi32(
-        _mm512_castsi512_si256(even_halves),
-        _mm512_castsi512_si256(odd_halves),
-    )
-}
-
 /// The sums of each register's 16 lanes, as lanes `a` of one 128-bit register (exact).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -85,77 +46,6 @@ fn hsum4_i32_16(a: [__m512i; 4]) -> __m128i {
         _mm256_castsi256_si128(half),
         _mm256_extracti128_si256::<1>(half),
     )
-}
-
-/// `dot_q4_k_repacked(w[r], x[a], true)` (llama.cpp's 4-row repacked gemm) for two weight rows
-/// against four activation rows: each weight super-block is unpacked once for the four rows
-/// and each activation load serves both weight rows. Per output, the part sums `isum_j` are the
-/// same integers and the float steps (`acc = fma(isum_j, dw·d_y, acc)`, likewise for the mins)
-/// run in the same order, so every output has the specification's bits.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) fn dot2_q4_k_gemm_rows4(w: [&[u8]; 2], x: [&[Q8K]; 4]) -> [[f32; 4]; 2] {
-    let nb = w[0].len() / 144;
-    assert!(w[1].len() >= nb * 144 && x.iter().all(|x| x.len() >= nb));
-    // Sub-block order of `sub_block_sums`, to line the scales up with it.
-    let order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    // Lanes a (activation row) of each output's float chains.
-    let mut acc = [_mm_setzero_ps(); 2];
-    let mut acc_min = [_mm_setzero_ps(); 2];
-    for i in 0..nb {
-        let b = [&w[0][144 * i..144 * (i + 1)], &w[1][144 * i..144 * (i + 1)]];
-        let mut parts = [[_mm512_setzero_si512(); 4]; 2];
-        let mut scales = [_mm256_setzero_si256(); 2];
-        let mut mins = [_mm_setzero_si128(); 2];
-        for r in 0..2 {
-            parts[r] = q4k_parts(&b[r][16..144]);
-            let (sc, mn) = scales_mins_k4(&b[r][4..16]);
-            let sc32 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sc));
-            scales[r] = _mm256_permutevar8x32_epi32(sc32, order);
-            mins[r] = mn;
-        }
-        // Per weight row r and activation row a: the part sums (lanes j) and min products.
-        let mut isums = [[_mm_setzero_si128(); 4]; 2];
-        let mut imins = [[_mm_setzero_si128(); 4]; 2];
-        for a in 0..4 {
-            let y = &x[a][i];
-            let mut ys = [_mm512_setzero_si512(); 4];
-            for (j, yj) in ys.iter_mut().enumerate() {
-                // SAFETY: `qs` is 256 bytes: four 64-byte loads.
-                *yj = unsafe { _mm512_loadu_si512(y.qs.as_ptr().add(64 * j) as *const _) };
-            }
-            for r in 0..2 {
-                let mut lanes = [_mm512_setzero_si512(); 4];
-                for j in 0..4 {
-                    lanes[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), parts[r][j], ys[j]);
-                }
-                let scaled = _mm256_mullo_epi32(sub_block_sums(lanes), scales[r]);
-                isums[r][a] = _mm_add_epi32(
-                    _mm256_castsi256_si128(scaled),
-                    _mm256_extracti128_si256::<1>(scaled),
-                );
-                imins[r][a] = mins_prod(mins[r], y);
-            }
-        }
-        let yd = _mm_setr_ps(x[0][i].d, x[1][i].d, x[2][i].d, x[3][i].d);
-        for r in 0..2 {
-            let (dw, dmw) = (f16c_at(b[r], 0), f16c_at(b[r], 2));
-            let scale = _mm_mul_ps(_mm_set1_ps(dw), yd);
-            let scale_min = _mm_mul_ps(_mm_set1_ps(dmw), yd);
-            // Lanes a of part j.
-            let isums = transpose4(isums[r]);
-            let imins = transpose4(imins[r]);
-            for j in 0..4 {
-                acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(isums[j]), scale, acc[r]);
-                acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imins[j]), scale_min, acc_min[r]);
-            }
-        }
-    }
-    let mut out = [[0.0f32; 4]; 2];
-    for r in 0..2 {
-        // SAFETY: 4 f32 = 16 bytes.
-        unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), _mm_sub_ps(acc[r], acc_min[r])) };
-    }
-    out
 }
 
 /// `dot_tiled` of a Q6_K row for four activation rows (as `blocks_avx2::dot_q6_k_tiled_rows4`):
@@ -277,8 +167,14 @@ pub(super) fn gemm_q4_k_x16(w: &Q4kX16, x: [&[Q8K]; 4]) -> [[f32; 16]; 4] {
     let mut acc_min = [_mm512_setzero_ps(); 4];
     // No closures in here: they would not get this function's target features, so not inline.
     for (i, b) in w.blocks.iter().enumerate() {
-        let d = load_ps(&b.d);
-        let dmin = load_ps(&b.dmin);
+        // Per activation row: `dw·d_y` and `dmin·d_y`, the multipliers of its float steps.
+        let mut scale = [_mm512_setzero_ps(); 4];
+        let mut scale_min = [_mm512_setzero_ps(); 4];
+        for a in 0..4 {
+            let yd = _mm512_set1_ps(x[a][i].d);
+            scale[a] = _mm512_mul_ps(load_ps(&b.d), yd);
+            scale_min[a] = _mm512_mul_ps(load_ps(&b.dmin), yd);
+        }
         // Per activation row: its 32-value sums, two per i32 (sub-blocks 2j, 2j + 1).
         let mut sums = [[0i32; 4]; 4];
         for a in 0..4 {
@@ -313,13 +209,8 @@ pub(super) fn gemm_q4_k_x16(w: &Q4kX16, x: [&[Q8K]; 4]) -> [[f32; 16]; 4] {
                 );
                 let pairs = _mm512_set1_epi32(sums[a][j]);
                 let imin = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins, pairs);
-                let yd = _mm512_set1_ps(x[a][i].d);
-                acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, yd), acc[a]);
-                acc_min[a] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(imin),
-                    _mm512_mul_ps(dmin, yd),
-                    acc_min[a],
-                );
+                acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale[a], acc[a]);
+                acc_min[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), scale_min[a], acc_min[a]);
             }
         }
     }

@@ -178,7 +178,6 @@ fn two_by_four_dots_are_bit_identical_to_the_spec() {
     for (ty, form) in [
         (GgmlType::Q5_0, Form::VecDot),
         (GgmlType::Q5_1, Form::VecDot),
-        (GgmlType::Q4K, Form::Gemm),
     ] {
         for blocks in [1usize, 2, 7, 72] {
             let k = blocks * ty.block_size();
@@ -202,7 +201,7 @@ fn two_by_four_dots_are_bit_identical_to_the_spec() {
             }
         }
     }
-    assert_eq!(checked, 96);
+    assert_eq!(checked, 64);
 }
 
 /// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9
