@@ -81,7 +81,7 @@ fn inner_packed<B: ToyBackend, C: CheckpointStrategy>(
         scales: w.scales.map(|t| t.primitive),
         mins: w.mins.map(|t| t.primitive),
         repackable: w.repackable,
-        interleaved: w.interleaved,
+        layout: w.layout,
     }
 }
 
@@ -244,8 +244,8 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
         B::with_row_groups(lens, f)
     }
 
-    fn interleaves_q4k() -> bool {
-        B::interleaves_q4k()
+    fn q4k_layout() -> crate::packed::Q4kLayout {
+        B::q4k_layout()
     }
 
     fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {

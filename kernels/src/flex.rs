@@ -215,10 +215,17 @@ impl ToyBackend for Flex {
         row_groups::scoped(Some(lens.to_vec()), f)
     }
 
-    /// With AVX2, where the eight-row Q4_K kernel runs: it reads a group of eight interleaved
-    /// rows as one stream at 2–3× the bandwidth of eight rows apart (measured on a Zen 4).
-    fn interleaves_q4k() -> bool {
-        cpu_level() >= CpuLevel::Avx2
+    /// With AVX-512 VNNI, sixteen rows transposed per super-block, for the kernels that keep
+    /// sixteen outputs in the lanes of one register (`blocks_vnni`); with AVX2, eight rows
+    /// interleaved by chunks, which the eight-row kernel reads as one stream at 2–3× the
+    /// bandwidth of eight rows apart (measured on a Zen 4).
+    fn q4k_layout() -> crate::packed::Q4kLayout {
+        use crate::packed::Q4kLayout;
+        match cpu_level() {
+            CpuLevel::Avx512 => Q4kLayout::X16,
+            CpuLevel::Avx2 => Q4kLayout::X8,
+            _ => Q4kLayout::Rows,
+        }
     }
 
     fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {

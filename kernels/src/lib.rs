@@ -92,12 +92,12 @@ pub trait ToyBackend: Backend {
         f()
     }
 
-    /// Whether this backend stores Q4_K matmul weights interleaved by eight rows
-    /// ([`packed::interleave_q4k_x8`], for the weights [`packed::interleaves`] picks): the
-    /// CPU's layout, which its eight-row kernel reads as one stream instead of eight. The
-    /// default keeps the file's layout.
-    fn interleaves_q4k() -> bool {
-        false
+    /// The layout this backend prefers for Q4_K matmul weights ([`packed::Q4kLayout`]; each
+    /// weight gets what [`packed::q4k_layout_for`] allows it): the CPU's interleaved ones,
+    /// which its kernels read as one stream with the outputs in lanes. The default keeps the
+    /// file's rows.
+    fn q4k_layout() -> packed::Q4kLayout {
+        packed::Q4kLayout::Rows
     }
 
     /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a weight `W` kept in its GGUF block format

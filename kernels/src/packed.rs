@@ -78,10 +78,10 @@ pub struct PackedTensor<B: Backend> {
     /// which llama.cpp keeps in its plain buffer even when a tied output head multiplies by it.
     /// The repacked kernels sum in another order, so the CPU backend needs to know.
     pub repackable: bool,
-    /// Q4_K rows interleaved by eight ([`interleave_q4k_x8`]): the layout of a backend whose
-    /// [`interleaves_q4k`](crate::ToyBackend::interleaves_q4k) is true, for the weights
-    /// [`interleaves`] picks. Every reader of the words honours it.
-    pub interleaved: bool,
+    /// How the rows of a Q4_K matmul weight lie: as in the file, or in the layout of a backend
+    /// whose [`q4k_layout`](crate::ToyBackend::q4k_layout) is another, for the weights
+    /// [`q4k_layout_for`] gives it to. Every reader of the words honours it.
+    pub layout: Q4kLayout,
 }
 
 /// A packed weight on the host, ready to become device tensors.
@@ -209,15 +209,108 @@ pub fn row_bytes(ty: GgmlType, cols: usize, words: &[u32], r: usize) -> &[u8] {
 /// Super-blocks per chunk of the interleaved Q4_K layout ([`interleave_q4k_x8`]).
 pub const Q4K_X8_CHUNK: usize = 16;
 
-/// Whether a backend that interleaves Q4_K weights ([`ToyBackend::interleaves_q4k`]) stores
-/// this one interleaved: a Q4_K matmul weight whose rows come in eights — weights llama.cpp
-/// repacks (`block_q4_Kx8`), so the kernels that read it compute llama.cpp's repacked forms —
-/// and are longer than one chunk.
-///
-/// [`ToyBackend::interleaves_q4k`]: crate::ToyBackend::interleaves_q4k
-pub fn interleaves(ty: GgmlType, rows: usize, cols: usize, repackable: bool) -> bool {
-    // Rows of at most one chunk are already laid out so (`interleave_q4k_x8` is the identity).
-    ty == GgmlType::Q4K && repackable && rows.is_multiple_of(8) && cols > Q4K_X8_CHUNK * QK_K
+/// How a backend lays out the rows of a Q4_K matmul weight. Both interleaved layouts are a
+/// permutation of the file's bytes (no byte more), made once at load; [`gguf_row`] reads any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Q4kLayout {
+    /// Row after row, as in the file.
+    #[default]
+    Rows,
+    /// Eight rows interleaved by chunks of super-blocks ([`interleave_q4k_x8`]): the AVX2
+    /// eight-row kernel reads a group as one stream.
+    X8,
+    /// Sixteen rows' super-blocks transposed word by word ([`interleave_q4k_x16`]): each field
+    /// of a super-block holds the sixteen rows side by side, so an AVX-512 kernel keeps the
+    /// sixteen outputs in the lanes of one register.
+    X16,
+}
+
+/// The layout a backend that prefers `preferred` gives a weight: an interleaved one only for a
+/// Q4_K matmul weight llama.cpp repacks (`block_q4_Kx8`, so the kernels that read it compute
+/// llama.cpp's repacked forms) whose rows fill whole groups — X16 needs rows in sixteens (else
+/// X8), X8 rows in eights and more than one chunk per row (a row of one chunk already lies so).
+pub fn q4k_layout_for(
+    preferred: Q4kLayout,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    repackable: bool,
+) -> Q4kLayout {
+    if ty != GgmlType::Q4K || !repackable {
+        return Q4kLayout::Rows;
+    }
+    let x8 = rows.is_multiple_of(8) && cols > Q4K_X8_CHUNK * QK_K;
+    match preferred {
+        Q4kLayout::X16 if rows.is_multiple_of(16) => Q4kLayout::X16,
+        Q4kLayout::X16 | Q4kLayout::X8 if x8 => Q4kLayout::X8,
+        _ => Q4kLayout::Rows,
+    }
+}
+
+/// Q4_K words `[rows, sb · 36]` in `layout` (from the file's row order).
+pub fn q4k_interleave(layout: Q4kLayout, words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
+    match layout {
+        Q4kLayout::Rows => words.to_vec(),
+        Q4kLayout::X8 => interleave_q4k_x8(words, rows, sb),
+        Q4kLayout::X16 => interleave_q4k_x16(words, rows, sb),
+    }
+}
+
+/// Q4_K words in `layout` put back in the file's row order (the inverse of [`q4k_interleave`]).
+pub fn q4k_deinterleave(layout: Q4kLayout, words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
+    match layout {
+        Q4kLayout::Rows => words.to_vec(),
+        Q4kLayout::X8 => deinterleave_q4k_x8(words, rows, sb),
+        Q4kLayout::X16 => deinterleave_q4k_x16(words, rows, sb),
+    }
+}
+
+/// u32 words per Q4_K super-block: `d` and `dmin` (two f16), 12 bytes of 6-bit scales and
+/// mins, 128 bytes of nibbles.
+const Q4K_WORDS: usize = 36;
+
+/// Where word `k` of super-block `i` of row `r` lies in the X16 layout.
+fn x16_word(r: usize, i: usize, k: usize, sb: usize) -> usize {
+    ((r / 16) * sb + i) * 16 * Q4K_WORDS + 16 * k + r % 16
+}
+
+/// Q4_K words `[rows, sb · 36]` (rows a multiple of 16) with each group of sixteen rows'
+/// super-block `i` transposed: word `k` of the group's block is the sixteen rows' word `k`
+/// side by side. So the X16 block of a super-block is 2304 bytes: the rows' `d`/`dmin` pairs
+/// (64 bytes), their three scale words (3 × 64), then per 4-byte group of nibbles the rows'
+/// four bytes each (32 × 64) — llama.cpp's `block_q4_Kx8` idea, sixteen rows for 512-bit
+/// registers, and nothing widened.
+pub fn interleave_q4k_x16(words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
+    assert!(rows.is_multiple_of(16) && words.len() == rows * sb * Q4K_WORDS);
+    let mut out = vec![0u32; words.len()];
+    for r in 0..rows {
+        for i in 0..sb {
+            for k in 0..Q4K_WORDS {
+                out[x16_word(r, i, k, sb)] = words[(r * sb + i) * Q4K_WORDS + k];
+            }
+        }
+    }
+    out
+}
+
+/// The inverse of [`interleave_q4k_x16`].
+pub fn deinterleave_q4k_x16(words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
+    assert!(rows.is_multiple_of(16) && words.len() == rows * sb * Q4K_WORDS);
+    (0..rows * sb * Q4K_WORDS)
+        .map(|at| {
+            let (r, i, k) = (at / (sb * Q4K_WORDS), at / Q4K_WORDS % sb, at % Q4K_WORDS);
+            words[x16_word(r, i, k, sb)]
+        })
+        .collect()
+}
+
+/// The GGUF bytes of row `r` of a Q4_K weight in the X16 layout.
+fn x16_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
+    let sb = p.cols / QK_K;
+    (0..sb)
+        .flat_map(|i| (0..Q4K_WORDS).map(move |k| x16_word(r, i, k, sb)))
+        .flat_map(|at| p.words[at].to_le_bytes())
+        .collect()
 }
 
 /// Q4_K rows `[rows, sb super-blocks]` (row-major, any unit: bytes, or the 36 words of a
@@ -274,8 +367,10 @@ fn interleaved_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
 /// re-assembled), so that `toy_quant::dequantize` can read it.
 pub fn gguf_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
     let (ty, cols) = (p.ty, p.cols);
-    if p.interleaved {
-        return interleaved_row(p, r);
+    match p.layout {
+        Q4kLayout::Rows => {}
+        Q4kLayout::X8 => return interleaved_row(p, r),
+        Q4kLayout::X16 => return x16_row(p, r),
     }
     if !is_split(ty) {
         return row_bytes(ty, cols, p.words, r).to_vec();
@@ -307,8 +402,8 @@ pub struct HostPackedView<'a> {
     pub scales: &'a [f32],
     /// Empty unless Q4_1.
     pub mins: &'a [f32],
-    /// Q4_K rows interleaved by eight ([`interleave_q4k_x8`]).
-    pub interleaved: bool,
+    /// How the rows lie ([`Q4kLayout`]).
+    pub layout: Q4kLayout,
 }
 
 impl HostPacked {
@@ -320,7 +415,7 @@ impl HostPacked {
             words: &self.words,
             scales: self.scales.as_deref().unwrap_or(&[]),
             mins: self.mins.as_deref().unwrap_or(&[]),
-            interleaved: false,
+            layout: Q4kLayout::Rows,
         }
     }
 }
@@ -331,7 +426,7 @@ pub fn dequantize_rows(p: &HostPackedView<'_>, ids: impl IntoIterator<Item = usi
     let mut out = Vec::new();
     let mut row = vec![0.0f32; p.cols];
     for r in ids {
-        let result = if is_split(p.ty) || p.interleaved {
+        let result = if is_split(p.ty) || p.layout != Q4kLayout::Rows {
             toy_quant::dequantize(p.ty, &gguf_row(p, r), &mut row)
         } else {
             toy_quant::dequantize(p.ty, row_bytes(p.ty, p.cols, p.words, r), &mut row)
@@ -370,12 +465,56 @@ mod tests {
                 words: &inter_words,
                 scales: &[],
                 mins: &[],
-                interleaved: true,
+                layout: Q4kLayout::X8,
             };
             for r in 0..rows {
                 assert_eq!(gguf_row(&view, r), bytes[r * sb * 144..(r + 1) * sb * 144]);
             }
         }
+    }
+
+    /// The X16 layout transposes each group's super-blocks word by word (row `r`'s word `k` at
+    /// `16k + r`), is undone by its inverse, and every row read from it is the row it was.
+    #[test]
+    fn x16_q4k_rows_round_trip() {
+        for (rows, sb) in [(16, 1), (32, 3), (16, 9)] {
+            let words: Vec<u32> = (0..rows * sb * 36).map(|i| i as u32 * 2654435761).collect();
+            let inter = interleave_q4k_x16(&words, rows, sb);
+            // Row 17's word 5 of super-block 0 (group 1, lane 1).
+            if rows > 16 {
+                assert_eq!(inter[sb * 576 + 16 * 5 + 1], words[17 * sb * 36 + 5]);
+            }
+            assert_eq!(inter[16 * 3 + 2], words[2 * sb * 36 + 3]);
+            assert_eq!(deinterleave_q4k_x16(&inter, rows, sb), words);
+            let view = HostPackedView {
+                ty: GgmlType::Q4K,
+                rows,
+                cols: sb * QK_K,
+                words: &inter,
+                scales: &[],
+                mins: &[],
+                layout: Q4kLayout::X16,
+            };
+            let bytes: &[u8] = bytemuck::cast_slice(&words);
+            for r in 0..rows {
+                assert_eq!(gguf_row(&view, r), bytes[r * sb * 144..(r + 1) * sb * 144]);
+            }
+        }
+    }
+
+    /// Which weights get which layout.
+    #[test]
+    fn q4k_layouts_go_to_whole_groups_of_repacked_weights() {
+        use Q4kLayout::*;
+        let k = |sb: usize| sb * QK_K;
+        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 32, k(8), true), X16);
+        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 24, k(32), true), X8);
+        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 24, k(8), true), Rows);
+        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 32, k(8), false), Rows);
+        assert_eq!(q4k_layout_for(X16, GgmlType::Q6K, 32, k(8), true), Rows);
+        assert_eq!(q4k_layout_for(X8, GgmlType::Q4K, 32, k(32), true), X8);
+        assert_eq!(q4k_layout_for(X8, GgmlType::Q4K, 32, k(8), true), Rows);
+        assert_eq!(q4k_layout_for(Rows, GgmlType::Q4K, 32, k(32), true), Rows);
     }
 
     /// Packing then re-assembling a row gives the GGUF bytes back, for every packed type.

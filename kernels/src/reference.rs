@@ -10,7 +10,7 @@ use burn::tensor::{
     TensorMetadata, TensorPrimitive, activation,
 };
 
-use crate::packed::{BLOCK, GgmlType, HostPackedView, PackedTensor, dequantize_rows};
+use crate::packed::{BLOCK, GgmlType, HostPackedView, PackedTensor, Q4kLayout, dequantize_rows};
 use crate::{AdamWStep, AttentionOptions, RopeLayout};
 
 fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
@@ -120,7 +120,7 @@ pub fn packed_rows<B: Backend>(w: PackedTensor<B>, ids: IntTensor<B>) -> FloatTe
         scales: w.scales.map(|t| rows_f(t).into_primitive().tensor()),
         mins: w.mins.map(|t| rows_f(t).into_primitive().tensor()),
         repackable: w.repackable,
-        interleaved: false,
+        layout: Q4kLayout::Rows,
     };
     packed_dequantize::<B>(selected).into_primitive().tensor()
 }
@@ -149,7 +149,7 @@ pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
                 words: &host,
                 scales: &[],
                 mins: &[],
-                interleaved: w.interleaved,
+                layout: w.layout,
             };
             let values = dequantize_rows(&view, 0..rows);
             Tensor::from_data(
@@ -160,23 +160,24 @@ pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
     }
 }
 
-/// `w` in the file's row layout: an interleaved Q4_K weight (`packed::interleave_q4k_x8`)
-/// read back, put back in row order and uploaded again; any other weight as it is.
+/// `w` in the file's row layout: an interleaved Q4_K weight (`packed::Q4kLayout`) read
+/// back, put back in row order and uploaded again; any other weight as it is.
 pub fn deinterleaved<B: Backend>(w: PackedTensor<B>) -> PackedTensor<B> {
-    if !w.interleaved {
+    if w.layout == Q4kLayout::Rows {
         return w;
     }
     let words = Tensor::<B, 2, Int>::from_primitive(w.words);
     let (device, [rows, per_row]) = (words.device(), words.dims());
     let host = host_words(words.into_data());
-    let plain = crate::packed::deinterleave_q4k_x8(&host, rows, w.cols / crate::packed::QK_K);
+    let plain =
+        crate::packed::q4k_deinterleave(w.layout, &host, rows, w.cols / crate::packed::QK_K);
     let words = Tensor::<B, 2, Int>::from_data(
         TensorData::new(plain, [rows, per_row]),
         (&device, DType::U32),
     );
     PackedTensor {
         words: words.into_primitive(),
-        interleaved: false,
+        layout: Q4kLayout::Rows,
         ..w
     }
 }

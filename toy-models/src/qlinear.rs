@@ -9,7 +9,9 @@ use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_kernels::ToyBackend;
-use toy_kernels::packed::{GgmlType, HostPacked, PackedTensor, interleave_q4k_x8, interleaves};
+use toy_kernels::packed::{
+    GgmlType, HostPacked, PackedTensor, Q4kLayout, q4k_interleave, q4k_layout_for,
+};
 
 /// A weight `[rows, cols]` in its GGUF block format (layouts: `toy_kernels::packed`).
 #[derive(Module, Debug)]
@@ -26,8 +28,8 @@ pub struct PackedMatrix<B: Backend> {
     pub cols: usize,
     /// See `PackedTensor::repackable`: false for a token embedding table.
     pub repackable: bool,
-    /// See `PackedTensor::interleaved`: Q4_K rows interleaved by eight (the CPU's layout).
-    pub interleaved: bool,
+    /// See `PackedTensor::layout`: how a Q4_K weight's rows lie (interleaved on the CPU).
+    pub layout: Q4kLayout,
 }
 
 impl<B: ToyBackend> PackedMatrix<B> {
@@ -36,11 +38,16 @@ impl<B: ToyBackend> PackedMatrix<B> {
     /// weights (the CPU), such a weight is interleaved here, once.
     pub fn from_host(packed: HostPacked, repackable: bool, device: &B::Device) -> Self {
         let per_row = packed.words.len() / packed.rows;
-        let interleaved =
-            B::interleaves_q4k() && interleaves(packed.ty, packed.rows, packed.cols, repackable);
-        let words = match interleaved {
-            true => interleave_q4k_x8(&packed.words, packed.rows, packed.cols / 256),
-            false => packed.words,
+        let layout = q4k_layout_for(
+            B::q4k_layout(),
+            packed.ty,
+            packed.rows,
+            packed.cols,
+            repackable,
+        );
+        let words = match layout {
+            Q4kLayout::Rows => packed.words,
+            _ => q4k_interleave(layout, &packed.words, packed.rows, packed.cols / 256),
         };
         let words = Tensor::from_data(
             TensorData::new(words, [packed.rows, per_row]),
@@ -63,7 +70,7 @@ impl<B: ToyBackend> PackedMatrix<B> {
             ty: packed.ty,
             cols: packed.cols,
             repackable,
-            interleaved,
+            layout,
         }
     }
 }
@@ -98,7 +105,7 @@ impl<B: ToyBackend> PackedMatrix<B> {
                 .as_ref()
                 .map(|m| m.val().into_primitive().tensor()),
             repackable: self.repackable,
-            interleaved: self.interleaved,
+            layout: self.layout,
         }
     }
 

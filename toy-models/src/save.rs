@@ -516,7 +516,7 @@ fn packed_data<B: ToyBackend>(
         words: &words,
         scales: &scales,
         mins: &mins,
-        interleaved: p.interleaved,
+        layout: p.layout,
     };
     Ok((0..shape[0]).flat_map(|r| gguf_row(&view, r)).collect())
 }

@@ -29,11 +29,13 @@ use toy_quant::f32_to_bf16;
 use super::qmatmul::{QuantRow, quantize_row, transpose_columns};
 use super::row_groups;
 use super::{GgmlIsa, ggml_isa};
-use crate::packed::{GgmlType, HostPackedView, QK_K, deinterleave_q4k_x8, row_bytes, row_words};
+use crate::packed::{
+    GgmlType, HostPackedView, Q4kLayout, QK_K, q4k_deinterleave, row_bytes, row_words,
+};
 
 mod spec;
 use spec::*;
-pub(super) use spec::{Q8K, dot_repacked_32, f16_at, quantize_q8_k, scales_k4, scales_q3_k};
+pub(super) use spec::{Q8K, dot_repacked_32, f16_at, quantize_q8_k, scales_q3_k};
 
 /// Eight weight rows as an eight-row kernel reads them: apart (each row's GGUF bytes), or — for
 /// Q4_K on the CPU backend — interleaved: the group's slice of `packed::interleave_q4k_x8`.
@@ -343,43 +345,51 @@ fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Optio
     None
 }
 
-#[cfg(target_arch = "x86_64")]
-use super::blocks_vnni::Q4kX16;
-/// No 16-wide kernel off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-enum Q4kX16 {}
-
-/// A task's sixteen weight rows laid out for the 16-wide Q4_K kernel, where this CPU has it
-/// (AVX-512 VNNI) and the task computes `Gemm` rows.
-fn q4k_x16<'a>(
-    ty: GgmlType,
-    ncols: usize,
-    forms: &[Form],
-    row: impl Fn(usize) -> &'a [u8],
-) -> Option<Q4kX16> {
-    #[cfg(target_arch = "x86_64")]
-    if ty == GgmlType::Q4K
-        && ncols == 16
-        && super::cpu_level() >= super::CpuLevel::Avx512
-        && forms.contains(&Form::Gemm)
-    {
-        return Some(Q4kX16::new(std::array::from_fn(row)));
-    }
-    let _ = (ty, ncols, forms, row);
-    None
+/// Whether this CPU has the sixteen-row Q4_K kernels that read the X16 layout (AVX-512 VNNI).
+fn x16_kernels() -> bool {
+    cfg!(target_arch = "x86_64") && super::cpu_level() >= super::CpuLevel::Avx512
 }
 
-/// Sixteen weight rows (`q4k_x16`) against four `Gemm` activation rows: the same bits as 64
-/// `dot` calls.
-fn dot16_rows4(w: &Q4kX16, x: [&ActRow; 4]) -> Option<[[f32; 16]; 4]> {
+/// One task of a Q4_K weight in the X16 layout (`w`: its group of sixteen rows, as stored):
+/// every activation row in its form — four `Gemm` rows per call where they come in fours, one
+/// otherwise, and `Gemv` rows one at a time — into `cols` (column `c`'s `m` values at `c·m`).
+/// Only called where `x16_kernels()`.
+fn q4k_x16_task(w: &[u8], acts: &[ActRow], forms: &[Form], cols: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        let x = q8k_rows(x)?;
-        // SAFETY: `Q4kX16` is built only where the CPU has AVX-512 F/BW/VL/VNNI (`q4k_x16`).
-        Some(unsafe { super::blocks_vnni::gemm_q4_k_x16(w, x) })
+        use super::blocks_vnni::{gemm_q4_k_x16, gemv_q4_k_x16};
+        let m = acts.len();
+        let q8k = |i: usize| match &acts[i] {
+            ActRow::Q8K(y) => y.as_slice(),
+            _ => unreachable!("Q4_K takes Q8_K activations"),
+        };
+        let mut put = |i: usize, y: &[f32; 16]| (0..16).for_each(|c| cols[c * m + i] = y[c]);
+        let mut i = 0;
+        while i < m {
+            // SAFETY (each call): the CPU has AVX-512 F/BW/VL/VNNI (`x16_kernels`).
+            if i + 4 <= m && forms[i..i + 4].iter().all(|&f| f == Form::Gemm) {
+                let y = unsafe { gemm_q4_k_x16::<4>(w, std::array::from_fn(|a| q8k(i + a))) };
+                y.iter().enumerate().for_each(|(a, y)| put(i + a, y));
+                i += 4;
+                continue;
+            }
+            let y = match forms[i] {
+                Form::Gemm => unsafe { gemm_q4_k_x16::<1>(w, [q8k(i)])[0] },
+                Form::Gemv => unsafe { gemv_q4_k_x16(w, q8k(i)) },
+                f => unreachable!("a repacked Q4_K row in form {f:?}"),
+            };
+            put(i, &y);
+            i += 1;
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    match *w {}
+    unreachable!(
+        "no X16 kernels off x86-64 ({} bytes, {} rows, {} forms, {} outputs)",
+        w.len(),
+        acts.len(),
+        forms.len(),
+        cols.len()
+    )
 }
 
 /// The fastest `dot` this CPU has.
@@ -439,10 +449,17 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
         .collect();
     const COLS: usize = 16;
     let per_row = row_words(ty, k);
-    // An interleaved Q4_K weight (`packed::interleave_q4k_x8`): the eight-row decode kernel
-    // reads each group as it lies; the other forms read rows, which each task puts back in
-    // order first (a copy of its 16 rows, small beside the arithmetic of several rows).
-    let needs_rows = w.interleaved && forms.iter().any(|&f| f != Form::Gemv);
+    // An interleaved Q4_K weight (`packed::Q4kLayout`): the sixteen-row kernels read each
+    // X16 group as it lies (a repacked Q4_K weight's rows are all `Gemm` or `Gemv`); the
+    // eight-row decode kernel reads each X8 group so; the other forms read rows, which each
+    // task puts back in order first (a copy of its 16 rows, small beside the arithmetic of
+    // several rows).
+    let x16 = w.layout == Q4kLayout::X16 && x16_kernels();
+    let needs_rows = match w.layout {
+        Q4kLayout::Rows => false,
+        Q4kLayout::X8 => forms.iter().any(|&f| f != Form::Gemv),
+        Q4kLayout::X16 => !x16 || forms.iter().any(|&f| !matches!(f, Form::Gemm | Form::Gemv)),
+    };
     let mut out_t = vec![0.0f32; n * m];
     out_t
         .par_chunks_mut(m * COLS)
@@ -450,40 +467,29 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
         .for_each(|(g, cols)| {
             let ncols = cols.len() / m;
             let task_words = &w.words[g * COLS * per_row..(g * COLS + ncols) * per_row];
+            if x16 && !needs_rows {
+                q4k_x16_task(bytemuck::cast_slice(task_words), &acts, forms, cols);
+                return;
+            }
             let plain: Option<Vec<u32>> =
-                needs_rows.then(|| deinterleave_q4k_x8(task_words, ncols, k / QK_K));
+                needs_rows.then(|| q4k_deinterleave(w.layout, task_words, ncols, k / QK_K));
             let wr = |c: usize| match &plain {
                 Some(p) => row_bytes(ty, k, p, c),
                 None => {
-                    debug_assert!(!w.interleaved, "rows of an interleaved weight");
+                    debug_assert_eq!(w.layout, Q4kLayout::Rows, "rows of an interleaved weight");
                     row_bytes(ty, k, task_words, c)
                 }
             };
-            let rows8 = |c0: usize| match w.interleaved {
-                true => Rows8::Interleaved(bytemuck::cast_slice(
+            let rows8 = |c0: usize| match w.layout {
+                Q4kLayout::X8 => Rows8::Interleaved(bytemuck::cast_slice(
                     &task_words[c0 * per_row..(c0 + 8) * per_row],
                 )),
-                false => Rows8::Apart(std::array::from_fn(|r| wr(c0 + r))),
+                _ => Rows8::Apart(std::array::from_fn(|r| wr(c0 + r))),
             };
-            let x16 = q4k_x16(ty, ncols, forms, wr);
             // Activation rows in blocks of 16 (llama.cpp's 16 × 16 tiles), so a block's
             // activations and the group's weight rows stay in L1 while they are reused.
             for i0 in (0..m).step_by(ROW_BLOCK) {
                 let i1 = (i0 + ROW_BLOCK).min(m);
-                // All sixteen outputs of four activation rows per call where the 16-wide
-                // kernel applies; the loops below take the block's other rows.
-                let mut i0 = i0;
-                while let Some(x16) = &x16
-                    && i0 + 4 <= i1
-                    && forms[i0..i0 + 4].iter().all(|&f| f == Form::Gemm)
-                {
-                    let x = [&acts[i0], &acts[i0 + 1], &acts[i0 + 2], &acts[i0 + 3]];
-                    let Some(y) = dot16_rows4(x16, x) else { break };
-                    for (a, y) in y.iter().enumerate() {
-                        (0..16).for_each(|c| cols[c * m + i0 + a] = y[c]);
-                    }
-                    i0 += 4;
-                }
                 let mut c0 = 0;
                 // Eight outputs per call where an 8-row kernel exists (the same bits as `dot`).
                 'eight: while c0 + 8 <= ncols {

@@ -4,9 +4,10 @@
 //! What fixes an output's bits is ggml's float steps on exact integer sums; the integers may be
 //! formed by any instructions. Two ways here, both on `vpdpbusd` (unsigned weight × signed
 //! activation, four products per i32 lane):
-//! - Q4_K and Q4_0 prefill (`gemm_q4_k_x16`, `gemm_q4_0_x16`): sixteen weight rows side by side
-//!   (`Q4kX16`, `Q40X16`, built per matmul task), each 32-bit lane one output, the activations
-//!   broadcast — no sums across lanes at all;
+//! - Q4_K decode and prefill (`gemv_q4_k_x16`, `gemm_q4_k_x16`) and Q4_0 prefill
+//!   (`gemm_q4_0_x16`): sixteen weight rows side by side — Q4_K's as the CPU backend stores them
+//!   (`packed::interleave_q4k_x16`), Q4_0's built per matmul task (`Q40X16`) — each 32-bit
+//!   lane one output, the activations broadcast: no sums across lanes at all;
 //! - Q6_K's tiled 4-row form: one weight row, 64 values per instruction, the lanes gathered
 //!   into sub-block sums by a shuffle tree (`sums_of_fours`) and scaled by one `vpmulld`.
 //!
@@ -95,131 +96,201 @@ pub(super) fn dot_q6_k_tiled_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
     out
 }
 
-/// Sixteen Q4_K weight rows laid out for `gemm_q4_k_x16`: per super-block, every field holds
-/// the sixteen rows' values side by side, row `r` in 32-bit lane `r`, so one 512-bit
-/// instruction works on all sixteen outputs and no lanes need summing across (llama.cpp's
-/// `block_q4_Kx8` idea, sixteen rows wide for 512-bit registers). Built per matmul task from
-/// the file's rows: a few tens of KB, reused by every activation row of the task.
-pub(super) struct Q4kX16 {
-    blocks: Vec<Q4kX16Block>,
-}
+/// Bytes of a super-block of sixteen Q4_K rows in the X16 layout (`packed::interleave_q4k_x16`).
+pub(super) const Q4K_X16_BLOCK: usize = 16 * 144;
 
-#[repr(C, align(64))]
-struct Q4kX16Block {
-    d: [f32; 16],
-    dmin: [f32; 16],
-    /// Per sub-block: the rows' 6-bit scales.
-    scales: [[i32; 16]; 8],
+/// One X16 super-block's fields, sixteen rows per register (row `r` in 32-bit lane `r`).
+struct X16Fields {
+    /// `d · d_y` and `dmin · d_y` come from these: the rows' `d`, then their `dmin`.
+    d: __m512,
+    dmin: __m512,
+    /// Per sub-block `s`: the rows' 6-bit scales.
+    scales: [__m512i; 8],
     /// Per 64-value part `j`: the rows' mins of sub-blocks `2j` (low i16) and `2j + 1` (high).
-    mins: [[i32; 16]; 4],
-    /// Per 4-byte group of the 128 nibble bytes: the rows' four bytes, row `r` at `4r..4r + 4`.
-    qs: [[u8; 64]; 32],
+    mins: [__m512i; 4],
 }
 
-impl Q4kX16 {
-    /// `rows`: sixteen rows of the same number of Q4_K super-blocks, as in the file.
-    pub(super) fn new(rows: [&[u8]; 16]) -> Self {
-        let nb = rows[0].len() / 144;
-        assert!(rows.iter().all(|r| r.len() == nb * 144));
-        let blocks = (0..nb)
-            .map(|i| {
-                let mut out = Q4kX16Block {
-                    d: [0.0; 16],
-                    dmin: [0.0; 16],
-                    scales: [[0; 16]; 8],
-                    mins: [[0; 16]; 4],
-                    qs: [[0; 64]; 32],
-                };
-                for (r, row) in rows.iter().enumerate() {
-                    let b = &row[144 * i..144 * (i + 1)];
-                    out.d[r] = super::blocks::f16_at(b, 0);
-                    out.dmin[r] = super::blocks::f16_at(b, 2);
-                    let (sc, mn) = super::blocks::scales_k4(&b[4..16]);
-                    for s in 0..8 {
-                        out.scales[s][r] = sc[s];
-                    }
-                    for j in 0..4 {
-                        out.mins[j][r] = mn[2 * j] | (mn[2 * j + 1] << 16);
-                    }
-                    for (g, group) in out.qs.iter_mut().enumerate() {
-                        group[4 * r..4 * r + 4].copy_from_slice(&b[16 + 4 * g..20 + 4 * g]);
-                    }
-                }
-                out
-            })
-            .collect();
-        Self { blocks }
+/// The fields of X16 super-block `b` (2304 bytes): ggml's `scales_k4` unpacking of the 6-bit
+/// scales and mins, done for the sixteen rows at once on their three scale words.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn x16_fields(b: &[u8]) -> X16Fields {
+    assert!(b.len() >= Q4K_X16_BLOCK);
+    let words = load_at(b, 0);
+    let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(words)));
+    let (u0, u1, u2) = (load_at(b, 64), load_at(b, 128), load_at(b, 192));
+    let k1 = _mm512_set1_epi32(0x3f3f_3f3f);
+    let k2 = _mm512_set1_epi32(0x0f0f_0f0f);
+    let k3 = _mm512_set1_epi32(0x0303_0303);
+    // Each word: four 6-bit values as bytes (as `scales_mins_k4`).
+    let scales_lo = _mm512_and_si512(u0, k1);
+    let scales_hi = _mm512_or_si512(_mm512_and_si512(u2, k2), high_two(u0, k3));
+    let mins_lo = _mm512_and_si512(u1, k1);
+    let mins_hi = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi32::<4>(u2), k2),
+        high_two(u1, k3),
+    );
+    let byte = _mm512_set1_epi32(0xFF);
+    let mut scales = [_mm512_setzero_si512(); 8];
+    for (s, out) in scales.iter_mut().enumerate() {
+        let word = if s < 4 { scales_lo } else { scales_hi };
+        let shift = _mm512_set1_epi32(8 * (s % 4) as i32);
+        *out = _mm512_and_si512(_mm512_srlv_epi32(word, shift), byte);
+    }
+    let third_byte = _mm512_set1_epi32(0xFF_0000);
+    let mut mins = [_mm512_setzero_si512(); 4];
+    for (j, out) in mins.iter_mut().enumerate() {
+        let word = if j < 2 { mins_lo } else { mins_hi };
+        // Bytes 2(j % 2) and 2(j % 2) + 1 of the word as the two i16 halves.
+        let t = _mm512_srlv_epi32(word, _mm512_set1_epi32(16 * (j % 2) as i32));
+        *out = _mm512_or_si512(
+            _mm512_and_si512(t, byte),
+            _mm512_and_si512(_mm512_slli_epi32::<8>(t), third_byte),
+        );
+    }
+    X16Fields {
+        d,
+        dmin,
+        scales,
+        mins,
     }
 }
 
-/// `dot_q4_k_repacked(w_r, x[a], true)` (llama.cpp's 4-row repacked gemm) for sixteen weight
-/// rows against four activation rows, each output in a lane of its own. Per 64-value part `j`
-/// of a super-block, `vpdpbusd` adds four products of each row's nibbles and a broadcast group
-/// of the activations into the row's lane; the sub-block sums times the scales give `isum_j`
-/// and `vpdpwssd` of the mins by the activations' 32-value sums gives `imin_j`: the same
-/// integers as the specification, then the same float steps in the same order
-/// (`acc = fma(isum_j, dw·d_y, acc)`, likewise for the mins), so the same bits.
+/// The top two bits of 6-bit values 4..8, which `scales_k4` keeps in bits 6..8 of the bytes
+/// of the first two scale words, moved to bits 4..6.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) fn gemm_q4_k_x16(w: &Q4kX16, x: [&[Q8K]; 4]) -> [[f32; 16]; 4] {
-    assert!(x.iter().all(|x| x.len() >= w.blocks.len()));
-    let m4 = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let mut acc_min = [_mm512_setzero_ps(); 4];
-    // No closures in here: they would not get this function's target features, so not inline.
-    for (i, b) in w.blocks.iter().enumerate() {
-        // Per activation row: `dw·d_y` and `dmin·d_y`, the multipliers of its float steps.
-        let mut scale = [_mm512_setzero_ps(); 4];
-        let mut scale_min = [_mm512_setzero_ps(); 4];
-        for a in 0..4 {
-            let yd = _mm512_set1_ps(x[a][i].d);
-            scale[a] = _mm512_mul_ps(load_ps(&b.d), yd);
-            scale_min[a] = _mm512_mul_ps(load_ps(&b.dmin), yd);
+fn high_two(u: __m512i, k3: __m512i) -> __m512i {
+    _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u), k3))
+}
+
+/// Per 64-value part `j` of a super-block's activations: the 32-value sums of sub-blocks `2j`
+/// (low i16) and `2j + 1` (high), the pairs `vpdpwssd` multiplies by the mins.
+#[inline]
+fn sum_pairs(y: &Q8K) -> [i32; 4] {
+    let bs = &y.bsums;
+    std::array::from_fn(|j| {
+        let lo = bs[4 * j] + bs[4 * j + 1];
+        let hi = bs[4 * j + 2] + bs[4 * j + 3];
+        (lo as u16 as i32) | ((hi as i32) << 16)
+    })
+}
+
+/// The exact sums `Σ q·y` of part `j` of X16 super-block `b` for `A` activation rows: per
+/// sub-block `2j` (low nibbles) and `2j + 1` (high nibbles), one lane per weight row. Per
+/// 4-byte group one `vpdpbusd` of the sixteen rows' nibbles by the broadcast activations; the
+/// high nibbles are kept in place (`& 0xF0`, sixteen times their value) and the sum shifted
+/// back once at the end (exact: every product is a multiple of 16).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn x16_part_sums<const A: usize>(b: &[u8], j: usize, y: [&Q8K; A]) -> ([__m512i; A], [__m512i; A]) {
+    let (m_lo, m_hi) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0xF0u8 as i8));
+    let mut lo = [_mm512_setzero_si512(); A];
+    let mut hi = [_mm512_setzero_si512(); A];
+    for g in 0..8 {
+        let wq = load_at(b, 256 + 64 * (8 * j + g));
+        let (q_lo, q_hi) = (_mm512_and_si512(wq, m_lo), _mm512_and_si512(wq, m_hi));
+        let at = 64 * j + 4 * g;
+        for a in 0..A {
+            lo[a] = _mm512_dpbusd_epi32(lo[a], q_lo, broadcast4(&y[a].qs[at..]));
+            hi[a] = _mm512_dpbusd_epi32(hi[a], q_hi, broadcast4(&y[a].qs[at + 32..]));
         }
-        // Per activation row: its 32-value sums, two per i32 (sub-blocks 2j, 2j + 1).
-        let mut sums = [[0i32; 4]; 4];
-        for a in 0..4 {
-            let bs = &x[a][i].bsums;
-            for j in 0..4 {
-                let lo = bs[4 * j] + bs[4 * j + 1];
-                let hi = bs[4 * j + 2] + bs[4 * j + 3];
-                sums[a][j] = (lo as u16 as i32) | ((hi as i32) << 16);
-            }
+    }
+    for h in hi.iter_mut() {
+        *h = _mm512_srai_epi32::<4>(*h);
+    }
+    (lo, hi)
+}
+
+/// `dot_q4_k_repacked(w_r, x, false)` (llama.cpp's `gemv_q4_K_8x8`, the decode form) for the
+/// sixteen rows of an X16 group (`w`: its super-blocks, 2304 bytes each), each output in a lane
+/// of its own: per super-block the exact `isum = Σ sc·Σq·y` and `imin = Σ m·Σy`, then
+/// `acc = fma(isum, d·d_y, acc)` and likewise for the mins — the specification's integers and
+/// float steps, so its bits, with no sum across lanes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn gemv_q4_k_x16(w: &[u8], x: &[Q8K]) -> [f32; 16] {
+    assert!(w.len() >= x.len() * Q4K_X16_BLOCK);
+    let mut acc = _mm512_setzero_ps();
+    let mut acc_min = _mm512_setzero_ps();
+    // No closures in the loops: they would not get this function's target features.
+    for (i, y) in x.iter().enumerate() {
+        let b = &w[Q4K_X16_BLOCK * i..Q4K_X16_BLOCK * (i + 1)];
+        let f = x16_fields(b);
+        let sums = sum_pairs(y);
+        let mut isum = _mm512_setzero_si512();
+        let mut imin = _mm512_setzero_si512();
+        for j in 0..4 {
+            let ([lo], [hi]) = x16_part_sums::<1>(b, j, [y]);
+            isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(lo, f.scales[2 * j]));
+            isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(hi, f.scales[2 * j + 1]));
+            imin = _mm512_dpwssd_epi32(imin, f.mins[j], _mm512_set1_epi32(sums[j]));
+        }
+        let yd = _mm512_set1_ps(y.d);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(f.d, yd), acc);
+        acc_min = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(f.dmin, yd), acc_min);
+    }
+    let mut out = [0.0f32; 16];
+    // SAFETY: 16 f32 = 64 bytes.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(acc, acc_min)) };
+    out
+}
+
+/// `dot_q4_k_repacked(w_r, x[a], true)` (llama.cpp's 4-row repacked gemm, the prefill form) for
+/// the sixteen rows of an X16 group against `A` activation rows, each output in a lane of its
+/// own: per 64-value part `j` of a super-block, the sub-block sums times the scales give
+/// `isum_j` and `vpdpwssd` of the mins by the activations' 32-value sums gives `imin_j` — the
+/// same integers as the specification — then the same float steps in the same order
+/// (`acc = fma(isum_j, d·d_y, acc)`, likewise for the mins), so the same bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn gemm_q4_k_x16<const A: usize>(w: &[u8], x: [&[Q8K]; A]) -> [[f32; 16]; A] {
+    let nb = w.len() / Q4K_X16_BLOCK;
+    assert!(x.iter().all(|x| x.len() >= nb));
+    let mut acc = [_mm512_setzero_ps(); A];
+    let mut acc_min = [_mm512_setzero_ps(); A];
+    for i in 0..nb {
+        let b = &w[Q4K_X16_BLOCK * i..Q4K_X16_BLOCK * (i + 1)];
+        let f = x16_fields(b);
+        let y: [&Q8K; A] = std::array::from_fn(|a| &x[a][i]);
+        // Per activation row: `d·d_y` and `dmin·d_y`, the multipliers of its float steps.
+        let mut scale = [_mm512_setzero_ps(); A];
+        let mut scale_min = [_mm512_setzero_ps(); A];
+        let mut sums = [[0i32; 4]; A];
+        for a in 0..A {
+            let yd = _mm512_set1_ps(y[a].d);
+            scale[a] = _mm512_mul_ps(f.d, yd);
+            scale_min[a] = _mm512_mul_ps(f.dmin, yd);
+            sums[a] = sum_pairs(y[a]);
         }
         for j in 0..4 {
-            let mut lo_sums = [_mm512_setzero_si512(); 4];
-            let mut hi_sums = [_mm512_setzero_si512(); 4];
-            for g in 0..8 {
-                let wq = load_bytes(&b.qs[8 * j + g]);
-                let lo = _mm512_and_si512(wq, m4);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wq), m4);
-                let at = 64 * j + 4 * g;
-                for a in 0..4 {
-                    let qs = &x[a][i].qs;
-                    lo_sums[a] = _mm512_dpbusd_epi32(lo_sums[a], lo, broadcast4(&qs[at..at + 4]));
-                    hi_sums[a] =
-                        _mm512_dpbusd_epi32(hi_sums[a], hi, broadcast4(&qs[at + 32..at + 36]));
-                }
-            }
-            let (sc_lo, sc_hi) = (load_i32(&b.scales[2 * j]), load_i32(&b.scales[2 * j + 1]));
-            let mins = load_i32(&b.mins[j]);
-            for a in 0..4 {
+            let (lo, hi) = x16_part_sums::<A>(b, j, y);
+            for a in 0..A {
                 let isum = _mm512_add_epi32(
-                    _mm512_mullo_epi32(lo_sums[a], sc_lo),
-                    _mm512_mullo_epi32(hi_sums[a], sc_hi),
+                    _mm512_mullo_epi32(lo[a], f.scales[2 * j]),
+                    _mm512_mullo_epi32(hi[a], f.scales[2 * j + 1]),
                 );
                 let pairs = _mm512_set1_epi32(sums[a][j]);
-                let imin = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins, pairs);
+                let imin = _mm512_dpwssd_epi32(_mm512_setzero_si512(), f.mins[j], pairs);
                 acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale[a], acc[a]);
                 acc_min[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), scale_min[a], acc_min[a]);
             }
         }
     }
-    let mut out = [[0.0f32; 16]; 4];
-    for a in 0..4 {
+    let mut out = [[0.0f32; 16]; A];
+    for a in 0..A {
         // SAFETY: 16 f32 = 64 bytes.
         unsafe { _mm512_storeu_ps(out[a].as_mut_ptr(), _mm512_sub_ps(acc[a], acc_min[a])) };
     }
     out
+}
+
+/// 64 bytes of `b` from byte `at`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn load_at(b: &[u8], at: usize) -> __m512i {
+    assert!(at + 64 <= b.len());
+    // SAFETY: 64 bytes in bounds (asserted).
+    unsafe { _mm512_loadu_si512(b.as_ptr().add(at) as *const _) }
 }
 
 #[inline]
@@ -227,13 +298,6 @@ pub(super) fn gemm_q4_k_x16(w: &Q4kX16, x: [&[Q8K]; 4]) -> [[f32; 16]; 4] {
 fn load_ps(v: &[f32; 16]) -> __m512 {
     // SAFETY: 16 f32 = 64 bytes.
     unsafe { _mm512_loadu_ps(v.as_ptr()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn load_i32(v: &[i32; 16]) -> __m512i {
-    // SAFETY: 16 i32 = 64 bytes.
-    unsafe { _mm512_loadu_si512(v.as_ptr() as *const _) }
 }
 
 #[inline]

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::*;
-use crate::packed::{GgmlType, row_words};
+use crate::packed::{GgmlType, Q4kLayout, row_words};
 
 /// An activation row quantized to 8-bit blocks (ggml's Q8_0 / Q8_1).
 pub(super) struct QuantRow {
@@ -346,7 +346,7 @@ pub(super) struct HostWeight {
     words: FlexTensor,
     scales: Option<FlexTensor>,
     mins: Option<FlexTensor>,
-    interleaved: bool,
+    layout: Q4kLayout,
 }
 
 impl HostWeight {
@@ -381,7 +381,7 @@ impl HostWeight {
             words: w.words.to_contiguous(),
             scales,
             mins,
-            interleaved: w.interleaved,
+            layout: w.layout,
         })
     }
 
@@ -402,7 +402,7 @@ impl HostWeight {
             words,
             scales: f32s(&self.scales),
             mins: f32s(&self.mins),
-            interleaved: self.interleaved,
+            layout: self.layout,
         }
     }
 }

@@ -338,11 +338,14 @@ fn q4k_gemv_bandwidth_of(rows: usize, sb: usize) {
     }
 }
 
-/// The 16-wide Q4_K kernel (AVX-512 VNNI) gives each of its 64 outputs the specification's bits.
+/// The sixteen-row Q4_K kernels (AVX-512 VNNI) on the X16 layout give every output the
+/// specification's bits: the decode form one activation row at a time, the prefill form four
+/// at a time and one at a time.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn sixteen_by_four_q4_k_is_bit_identical_to_the_spec() {
-    if super::super::cpu_level() < super::super::CpuLevel::Avx512 {
+fn sixteen_row_q4_k_kernels_are_bit_identical_to_the_spec() {
+    use super::super::blocks_vnni::{gemm_q4_k_x16, gemv_q4_k_x16};
+    if !x16_kernels() {
         return;
     }
     let mut next = rng(19);
@@ -350,20 +353,40 @@ fn sixteen_by_four_q4_k_is_bit_identical_to_the_spec() {
     for sb in [1usize, 2, 9] {
         let k = sb * QK_K;
         let w: Vec<Vec<u8>> = (0..16).map(|_| random_row(ty, sb, &mut next)).collect();
-        let acts: Vec<ActRow> = (0..4)
-            .map(|_| activation(ty, &random_activations(k, &mut next), Form::Gemm))
-            .collect();
-        let x16 = q4k_x16(ty, 16, &[Form::Gemm], |r| &w[r]).expect("an AVX-512 VNNI CPU");
-        let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
-        let got = dot16_rows4(&x16, rows).expect("Q8_K rows");
-        for (a, got) in got.iter().enumerate() {
-            for (r, w) in w.iter().enumerate() {
-                let want = dot(ty, w, &acts[a], Form::Gemm, GgmlIsa::Avx2);
-                assert_eq!(
-                    got[r].to_bits(),
-                    want.to_bits(),
-                    "row {r}, activation row {a}, {sb} super-blocks"
-                );
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&w.concat());
+        let x16: Vec<u32> = crate::packed::interleave_q4k_x16(&words, 16, sb);
+        let x16: &[u8] = bytemuck::cast_slice(&x16);
+        let x: Vec<Vec<f32>> = (0..4).map(|_| random_activations(k, &mut next)).collect();
+        for form in [Form::Gemm, Form::Gemv] {
+            let acts: Vec<ActRow> = x.iter().map(|x| activation(ty, x, form)).collect();
+            let y: Vec<&[Q8K]> = acts
+                .iter()
+                .map(|a| match a {
+                    ActRow::Q8K(y) => y.as_slice(),
+                    _ => unreachable!(),
+                })
+                .collect();
+            // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI (`x16_kernels`).
+            let got: Vec<[f32; 16]> = match form {
+                Form::Gemm => {
+                    let four = unsafe { gemm_q4_k_x16::<4>(x16, [y[0], y[1], y[2], y[3]]) };
+                    for (a, four) in four.iter().enumerate() {
+                        let one = unsafe { gemm_q4_k_x16::<1>(x16, [y[a]])[0] };
+                        assert_eq!(one.map(f32::to_bits), four.map(f32::to_bits), "{sb}");
+                    }
+                    four.to_vec()
+                }
+                _ => y.iter().map(|y| unsafe { gemv_q4_k_x16(x16, y) }).collect(),
+            };
+            for (a, got) in got.iter().enumerate() {
+                for (r, w) in w.iter().enumerate() {
+                    let want = dot(ty, w, &acts[a], form, GgmlIsa::Avx2);
+                    assert_eq!(
+                        got[r].to_bits(),
+                        want.to_bits(),
+                        "{form:?}: row {r}, activation row {a}, {sb} super-blocks"
+                    );
+                }
             }
         }
     }
