@@ -90,7 +90,7 @@ fn bench<B: ToyBackend>(device: B::Device) {
         scales: Some(prim(&scales)),
         mins: None,
         repackable: true,
-        layout: toy_kernels::packed::Q4kLayout::Rows,
+        layout: toy_kernels::packed::RowLayout::Rows,
     };
     let w = tensor::<B, 2>(dense, [n, k], &device);
     let wt = w.clone().transpose();

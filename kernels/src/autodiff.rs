@@ -244,8 +244,8 @@ impl<B: ToyBackend, C: CheckpointStrategy> ToyBackend for Autodiff<B, C> {
         B::with_row_groups(lens, f)
     }
 
-    fn q4k_layout() -> crate::packed::Q4kLayout {
-        B::q4k_layout()
+    fn row_layout() -> crate::packed::RowLayout {
+        B::row_layout()
     }
 
     fn packed_matmul(x: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {

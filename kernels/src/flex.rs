@@ -219,12 +219,12 @@ impl ToyBackend for Flex {
     /// sixteen outputs in the lanes of one register (`blocks_vnni`); with AVX2, eight rows
     /// interleaved by chunks, which the eight-row kernel reads as one stream at 2–3× the
     /// bandwidth of eight rows apart (measured on a Zen 4).
-    fn q4k_layout() -> crate::packed::Q4kLayout {
-        use crate::packed::Q4kLayout;
+    fn row_layout() -> crate::packed::RowLayout {
+        use crate::packed::RowLayout;
         match cpu_level() {
-            CpuLevel::Avx512 => Q4kLayout::X16,
-            CpuLevel::Avx2 => Q4kLayout::X8,
-            _ => Q4kLayout::Rows,
+            CpuLevel::Avx512 => RowLayout::X16,
+            CpuLevel::Avx2 => RowLayout::X8,
+            _ => RowLayout::Rows,
         }
     }
 

@@ -92,12 +92,13 @@ pub trait ToyBackend: Backend {
         f()
     }
 
-    /// The layout this backend prefers for Q4_K matmul weights ([`packed::Q4kLayout`]; each
-    /// weight gets what [`packed::q4k_layout_for`] allows it): the CPU's interleaved ones,
+    /// The layout this backend prefers for the matmul weights llama.cpp repacks (Q4_K, Q4_0:
+    /// [`packed::RowLayout`]; each weight gets what [`packed::row_layout_for`] allows it): the
+    /// CPU's interleaved ones,
     /// which its kernels read as one stream with the outputs in lanes. The default keeps the
     /// file's rows.
-    fn q4k_layout() -> packed::Q4kLayout {
-        packed::Q4kLayout::Rows
+    fn row_layout() -> packed::RowLayout {
+        packed::RowLayout::Rows
     }
 
     /// `y[m, n] = x[m, k] · dequant(W)[n, k]ᵀ` for a weight `W` kept in its GGUF block format

@@ -79,9 +79,9 @@ pub struct PackedTensor<B: Backend> {
     /// The repacked kernels sum in another order, so the CPU backend needs to know.
     pub repackable: bool,
     /// How the rows of a Q4_K matmul weight lie: as in the file, or in the layout of a backend
-    /// whose [`q4k_layout`](crate::ToyBackend::q4k_layout) is another, for the weights
-    /// [`q4k_layout_for`] gives it to. Every reader of the words honours it.
-    pub layout: Q4kLayout,
+    /// whose [`row_layout`](crate::ToyBackend::row_layout) is another, for the weights
+    /// [`row_layout_for`] gives it to. Every reader of the words honours it.
+    pub layout: RowLayout,
 }
 
 /// A packed weight on the host, ready to become device tensors.
@@ -209,108 +209,184 @@ pub fn row_bytes(ty: GgmlType, cols: usize, words: &[u32], r: usize) -> &[u8] {
 /// Super-blocks per chunk of the interleaved Q4_K layout ([`interleave_q4k_x8`]).
 pub const Q4K_X8_CHUNK: usize = 16;
 
-/// How a backend lays out the rows of a Q4_K matmul weight. Both interleaved layouts are a
-/// permutation of the file's bytes (no byte more), made once at load; [`gguf_row`] reads any.
+/// How a backend lays out the rows of a matmul weight of a type llama.cpp repacks on x86 (Q4_K,
+/// Q4_0). Each interleaved layout is a permutation of the packed words (and, for Q4_0, of the
+/// f32 scales) — no byte more — made once at load; [`gguf_row`] reads any.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Q4kLayout {
+pub enum RowLayout {
     /// Row after row, as in the file.
     #[default]
     Rows,
-    /// Eight rows interleaved by chunks of super-blocks ([`interleave_q4k_x8`]): the AVX2
-    /// eight-row kernel reads a group as one stream.
+    /// Q4_K: eight rows interleaved by chunks of super-blocks ([`interleave_q4k_x8`]): the
+    /// AVX2 eight-row kernel reads a group as one stream.
     X8,
-    /// Sixteen rows' super-blocks transposed word by word ([`interleave_q4k_x16`]): each field
-    /// of a super-block holds the sixteen rows side by side, so an AVX-512 kernel keeps the
+    /// Q4_K and Q4_0: sixteen rows' blocks transposed word by word ([`interleave_x16`]): each
+    /// field of a block holds the sixteen rows side by side, so an AVX-512 kernel keeps the
     /// sixteen outputs in the lanes of one register.
     X16,
 }
 
 /// The layout a backend that prefers `preferred` gives a weight: an interleaved one only for a
-/// Q4_K matmul weight llama.cpp repacks (`block_q4_Kx8`, so the kernels that read it compute
-/// llama.cpp's repacked forms) whose rows fill whole groups — X16 needs rows in sixteens (else
-/// X8), X8 rows in eights and more than one chunk per row (a row of one chunk already lies so).
-pub fn q4k_layout_for(
-    preferred: Q4kLayout,
+/// matmul weight llama.cpp repacks (`block_q4_Kx8`, `block_q4_0x8`: so the kernels that read it
+/// compute llama.cpp's repacked forms) whose rows fill whole groups — X16 needs rows in
+/// sixteens (else Q4_K takes X8), X8 rows in eights and more than one chunk per row (a row of
+/// one chunk already lies so).
+pub fn row_layout_for(
+    preferred: RowLayout,
     ty: GgmlType,
     rows: usize,
     cols: usize,
     repackable: bool,
-) -> Q4kLayout {
-    if ty != GgmlType::Q4K || !repackable {
-        return Q4kLayout::Rows;
+) -> RowLayout {
+    if !repackable {
+        return RowLayout::Rows;
     }
-    let x8 = rows.is_multiple_of(8) && cols > Q4K_X8_CHUNK * QK_K;
+    let x8 = ty == GgmlType::Q4K && rows.is_multiple_of(8) && cols > Q4K_X8_CHUNK * QK_K;
+    let x16 = matches!(ty, GgmlType::Q4K | GgmlType::Q4_0) && rows.is_multiple_of(16);
     match preferred {
-        Q4kLayout::X16 if rows.is_multiple_of(16) => Q4kLayout::X16,
-        Q4kLayout::X16 | Q4kLayout::X8 if x8 => Q4kLayout::X8,
-        _ => Q4kLayout::Rows,
+        RowLayout::X16 if x16 => RowLayout::X16,
+        RowLayout::X16 | RowLayout::X8 if x8 => RowLayout::X8,
+        _ => RowLayout::Rows,
     }
 }
 
-/// Q4_K words `[rows, sb · 36]` in `layout` (from the file's row order).
-pub fn q4k_interleave(layout: Q4kLayout, words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
+/// The transposition unit of the X16 layout for a type: (values per block, u32 words per
+/// block of its words). Q4_K: a super-block of 36 words (`d`/`dmin`, three scale words, 32
+/// words of nibbles); Q4_0: a block of 4 words of nibbles (its scales are apart, one f32 each).
+fn x16_unit(ty: GgmlType) -> (usize, usize) {
+    match ty {
+        GgmlType::Q4K => (QK_K, 36),
+        GgmlType::Q4_0 => (BLOCK, 4),
+        _ => unreachable!("{ty} has no X16 layout"),
+    }
+}
+
+/// A weight's words `[rows, row_words]` in `layout` (from the file's row order).
+pub fn interleave_rows(
+    layout: RowLayout,
+    ty: GgmlType,
+    words: &[u32],
+    rows: usize,
+    cols: usize,
+) -> Vec<u32> {
     match layout {
-        Q4kLayout::Rows => words.to_vec(),
-        Q4kLayout::X8 => interleave_q4k_x8(words, rows, sb),
-        Q4kLayout::X16 => interleave_q4k_x16(words, rows, sb),
+        RowLayout::Rows => words.to_vec(),
+        RowLayout::X8 => interleave_q4k_x8(words, rows, cols / QK_K),
+        RowLayout::X16 => {
+            let (values, width) = x16_unit(ty);
+            interleave_x16(words, rows, cols / values, width)
+        }
     }
 }
 
-/// Q4_K words in `layout` put back in the file's row order (the inverse of [`q4k_interleave`]).
-pub fn q4k_deinterleave(layout: Q4kLayout, words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
+/// A weight's words in `layout` put back in the file's row order (the inverse of
+/// [`interleave_rows`]).
+pub fn deinterleave_rows(
+    layout: RowLayout,
+    ty: GgmlType,
+    words: &[u32],
+    rows: usize,
+    cols: usize,
+) -> Vec<u32> {
     match layout {
-        Q4kLayout::Rows => words.to_vec(),
-        Q4kLayout::X8 => deinterleave_q4k_x8(words, rows, sb),
-        Q4kLayout::X16 => deinterleave_q4k_x16(words, rows, sb),
+        RowLayout::Rows => words.to_vec(),
+        RowLayout::X8 => deinterleave_q4k_x8(words, rows, cols / QK_K),
+        RowLayout::X16 => {
+            let (values, width) = x16_unit(ty);
+            deinterleave_x16(words, rows, cols / values, width)
+        }
     }
 }
 
-/// u32 words per Q4_K super-block: `d` and `dmin` (two f16), 12 bytes of 6-bit scales and
-/// mins, 128 bytes of nibbles.
-const Q4K_WORDS: usize = 36;
-
-/// Where word `k` of super-block `i` of row `r` lies in the X16 layout.
-fn x16_word(r: usize, i: usize, k: usize, sb: usize) -> usize {
-    ((r / 16) * sb + i) * 16 * Q4K_WORDS + 16 * k + r % 16
+/// A split weight's f32 block scales `[rows, cols / 32]` in `layout` (Q4_0 in X16: transposed
+/// per block as its words are; otherwise as they are).
+pub fn interleave_scales(layout: RowLayout, scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    match layout {
+        RowLayout::X16 => interleave_x16(scales, rows, cols / BLOCK, 1),
+        _ => scales.to_vec(),
+    }
 }
 
-/// Q4_K words `[rows, sb · 36]` (rows a multiple of 16) with each group of sixteen rows'
-/// super-block `i` transposed: word `k` of the group's block is the sixteen rows' word `k`
-/// side by side. So the X16 block of a super-block is 2304 bytes: the rows' `d`/`dmin` pairs
-/// (64 bytes), their three scale words (3 × 64), then per 4-byte group of nibbles the rows'
-/// four bytes each (32 × 64) — llama.cpp's `block_q4_Kx8` idea, sixteen rows for 512-bit
-/// registers, and nothing widened.
-pub fn interleave_q4k_x16(words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
-    assert!(rows.is_multiple_of(16) && words.len() == rows * sb * Q4K_WORDS);
-    let mut out = vec![0u32; words.len()];
+/// The inverse of [`interleave_scales`].
+pub fn deinterleave_scales(
+    layout: RowLayout,
+    scales: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Vec<f32> {
+    match layout {
+        RowLayout::X16 => deinterleave_x16(scales, rows, cols / BLOCK, 1),
+        _ => scales.to_vec(),
+    }
+}
+
+/// A weight's words and split scales put back in the file's row order (copies; the scales
+/// empty where the type has none).
+pub fn deinterleaved_host(p: &HostPackedView<'_>) -> (Vec<u32>, Vec<f32>) {
+    (
+        deinterleave_rows(p.layout, p.ty, p.words, p.rows, p.cols),
+        deinterleave_scales(p.layout, p.scales, p.rows, p.cols),
+    )
+}
+
+/// Where element `k` of unit `i` of row `r` lies in the X16 layout (`units` per row, `width`
+/// elements per unit).
+fn x16_at(r: usize, i: usize, k: usize, units: usize, width: usize) -> usize {
+    ((r / 16) * units + i) * 16 * width + 16 * k + r % 16
+}
+
+/// Rows of `units` units of `width` elements each (rows a multiple of 16), with each group of
+/// sixteen rows' unit `i` transposed: element `k` of the group's unit is the sixteen rows'
+/// element `k` side by side. For Q4_K (a 36-word super-block) the X16 block is 2304 bytes: the
+/// rows' `d`/`dmin` pairs (64 bytes), their three scale words (3 × 64), then per 4-byte group
+/// of nibbles the rows' four bytes each (32 × 64); for Q4_0 (a block of 4 words, its scales
+/// transposed alike) 256 bytes of nibbles and 16 scales — llama.cpp's `block_q4_Kx8` /
+/// `block_q4_0x8` idea, sixteen rows for 512-bit registers, and nothing widened.
+pub fn interleave_x16<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    units: usize,
+    width: usize,
+) -> Vec<T> {
+    assert!(rows.is_multiple_of(16) && data.len() == rows * units * width);
+    let mut out = vec![T::default(); data.len()];
     for r in 0..rows {
-        for i in 0..sb {
-            for k in 0..Q4K_WORDS {
-                out[x16_word(r, i, k, sb)] = words[(r * sb + i) * Q4K_WORDS + k];
+        for i in 0..units {
+            for k in 0..width {
+                out[x16_at(r, i, k, units, width)] = data[(r * units + i) * width + k];
             }
         }
     }
     out
 }
 
-/// The inverse of [`interleave_q4k_x16`].
-pub fn deinterleave_q4k_x16(words: &[u32], rows: usize, sb: usize) -> Vec<u32> {
-    assert!(rows.is_multiple_of(16) && words.len() == rows * sb * Q4K_WORDS);
-    (0..rows * sb * Q4K_WORDS)
+/// The inverse of [`interleave_x16`].
+pub fn deinterleave_x16<T: Copy>(data: &[T], rows: usize, units: usize, width: usize) -> Vec<T> {
+    assert!(rows.is_multiple_of(16) && data.len() == rows * units * width);
+    (0..rows * units * width)
         .map(|at| {
-            let (r, i, k) = (at / (sb * Q4K_WORDS), at / Q4K_WORDS % sb, at % Q4K_WORDS);
-            words[x16_word(r, i, k, sb)]
+            let (r, i, k) = (at / (units * width), at / width % units, at % width);
+            data[x16_at(r, i, k, units, width)]
         })
         .collect()
 }
 
-/// The GGUF bytes of row `r` of a Q4_K weight in the X16 layout.
-fn x16_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
-    let sb = p.cols / QK_K;
-    (0..sb)
-        .flat_map(|i| (0..Q4K_WORDS).map(move |k| x16_word(r, i, k, sb)))
-        .flat_map(|at| p.words[at].to_le_bytes())
-        .collect()
+/// Row `r`'s words (and, for a split type, its block scales) in the file's order, from a
+/// weight in the X16 layout.
+fn x16_row(p: &HostPackedView<'_>, r: usize) -> (Vec<u32>, Vec<f32>) {
+    let (values, width) = x16_unit(p.ty);
+    let units = p.cols / values;
+    let words = (0..units)
+        .flat_map(|i| (0..width).map(move |k| x16_at(r, i, k, units, width)))
+        .map(|at| p.words[at])
+        .collect();
+    let scales = match p.scales.is_empty() {
+        true => Vec::new(),
+        false => (0..p.cols / BLOCK)
+            .map(|b| p.scales[x16_at(r, b, 0, p.cols / BLOCK, 1)])
+            .collect(),
+    };
+    (words, scales)
 }
 
 /// Q4_K rows `[rows, sb super-blocks]` (row-major, any unit: bytes, or the 36 words of a
@@ -364,29 +440,40 @@ fn interleaved_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
 }
 
 /// Row `r` of a packed weight as the GGUF block bytes it came from (the split layouts are
-/// re-assembled), so that `toy_quant::dequantize` can read it.
-pub fn gguf_row(p: &HostPackedView<'_>, r: usize) -> Vec<u8> {
+/// re-assembled, interleaved rows gathered), so that `toy_quant::dequantize` can read it.
+pub fn gguf_row<'a>(p: &HostPackedView<'a>, r: usize) -> Vec<u8> {
     let (ty, cols) = (p.ty, p.cols);
-    match p.layout {
-        Q4kLayout::Rows => {}
-        Q4kLayout::X8 => return interleaved_row(p, r),
-        Q4kLayout::X16 => return x16_row(p, r),
-    }
-    if !is_split(ty) {
-        return row_bytes(ty, cols, p.words, r).to_vec();
-    }
-    let per_row = row_words(ty, cols);
-    let quants: &[u8] = bytemuck::cast_slice(&p.words[r * per_row..(r + 1) * per_row]);
     let blocks = cols / BLOCK;
-    let qb = quants.len() / blocks;
+    let gathered;
+    let (words, scales, mins): (&[u32], &[f32], &[f32]) = match p.layout {
+        RowLayout::X8 => return interleaved_row(p, r),
+        RowLayout::X16 => {
+            gathered = x16_row(p, r);
+            (&gathered.0, &gathered.1, &[])
+        }
+        RowLayout::Rows => {
+            let per_row = row_words(ty, cols);
+            // Row `r`'s block scales (or offsets), where the type has them.
+            let split = |v: &'a [f32]| v.get(r * blocks..(r + 1) * blocks).unwrap_or(&[]);
+            (
+                &p.words[r * per_row..(r + 1) * per_row],
+                split(p.scales),
+                split(p.mins),
+            )
+        }
+    };
+    let bytes: &[u8] = bytemuck::cast_slice(words);
+    if !is_split(ty) {
+        return bytes[..cols / ty.block_size() * ty.type_size()].to_vec();
+    }
+    let qb = bytes.len() / blocks;
     let mut out = Vec::with_capacity(blocks * ty.type_size());
     for b in 0..blocks {
-        let i = r * blocks + b;
-        out.extend_from_slice(&f16::from_f32(p.scales[i]).to_le_bytes());
+        out.extend_from_slice(&f16::from_f32(scales[b]).to_le_bytes());
         if ty == GgmlType::Q4_1 {
-            out.extend_from_slice(&f16::from_f32(p.mins[i]).to_le_bytes());
+            out.extend_from_slice(&f16::from_f32(mins[b]).to_le_bytes());
         }
-        out.extend_from_slice(&quants[b * qb..(b + 1) * qb]);
+        out.extend_from_slice(&bytes[b * qb..(b + 1) * qb]);
     }
     out
 }
@@ -402,8 +489,8 @@ pub struct HostPackedView<'a> {
     pub scales: &'a [f32],
     /// Empty unless Q4_1.
     pub mins: &'a [f32],
-    /// How the rows lie ([`Q4kLayout`]).
-    pub layout: Q4kLayout,
+    /// How the rows lie ([`RowLayout`]).
+    pub layout: RowLayout,
 }
 
 impl HostPacked {
@@ -415,7 +502,7 @@ impl HostPacked {
             words: &self.words,
             scales: self.scales.as_deref().unwrap_or(&[]),
             mins: self.mins.as_deref().unwrap_or(&[]),
-            layout: Q4kLayout::Rows,
+            layout: RowLayout::Rows,
         }
     }
 }
@@ -426,7 +513,7 @@ pub fn dequantize_rows(p: &HostPackedView<'_>, ids: impl IntoIterator<Item = usi
     let mut out = Vec::new();
     let mut row = vec![0.0f32; p.cols];
     for r in ids {
-        let result = if is_split(p.ty) || p.layout != Q4kLayout::Rows {
+        let result = if is_split(p.ty) || p.layout != RowLayout::Rows {
             toy_quant::dequantize(p.ty, &gguf_row(p, r), &mut row)
         } else {
             toy_quant::dequantize(p.ty, row_bytes(p.ty, p.cols, p.words, r), &mut row)
@@ -465,7 +552,7 @@ mod tests {
                 words: &inter_words,
                 scales: &[],
                 mins: &[],
-                layout: Q4kLayout::X8,
+                layout: RowLayout::X8,
             };
             for r in 0..rows {
                 assert_eq!(gguf_row(&view, r), bytes[r * sb * 144..(r + 1) * sb * 144]);
@@ -479,13 +566,13 @@ mod tests {
     fn x16_q4k_rows_round_trip() {
         for (rows, sb) in [(16, 1), (32, 3), (16, 9)] {
             let words: Vec<u32> = (0..rows * sb * 36).map(|i| i as u32 * 2654435761).collect();
-            let inter = interleave_q4k_x16(&words, rows, sb);
+            let inter = interleave_x16(&words, rows, sb, 36);
             // Row 17's word 5 of super-block 0 (group 1, lane 1).
             if rows > 16 {
                 assert_eq!(inter[sb * 576 + 16 * 5 + 1], words[17 * sb * 36 + 5]);
             }
             assert_eq!(inter[16 * 3 + 2], words[2 * sb * 36 + 3]);
-            assert_eq!(deinterleave_q4k_x16(&inter, rows, sb), words);
+            assert_eq!(deinterleave_x16(&inter, rows, sb, 36), words);
             let view = HostPackedView {
                 ty: GgmlType::Q4K,
                 rows,
@@ -493,7 +580,7 @@ mod tests {
                 words: &inter,
                 scales: &[],
                 mins: &[],
-                layout: Q4kLayout::X16,
+                layout: RowLayout::X16,
             };
             let bytes: &[u8] = bytemuck::cast_slice(&words);
             for r in 0..rows {
@@ -502,19 +589,63 @@ mod tests {
         }
     }
 
+    /// Q4_0 in the X16 layout: words and scales transposed per block, every row read back as
+    /// its GGUF bytes.
+    #[test]
+    fn x16_q4_0_rows_round_trip() {
+        let (rows, cols) = (32, 96);
+        let bytes: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| {
+                let mut block = vec![0u8; 18];
+                block[..2].copy_from_slice(&f16::from_f32(b as f32 * 0.25 - 3.0).to_le_bytes());
+                (2..18).for_each(|i| block[i] = (b * 31 + i * 7) as u8);
+                block
+            })
+            .collect();
+        let p = pack(GgmlType::Q4_0, &bytes, rows, cols).unwrap();
+        let words = interleave_rows(RowLayout::X16, p.ty, &p.words, rows, cols);
+        let scales = interleave_scales(RowLayout::X16, p.scales.as_ref().unwrap(), rows, cols);
+        assert_ne!(words, p.words);
+        assert_eq!(
+            deinterleave_rows(RowLayout::X16, p.ty, &words, rows, cols),
+            p.words
+        );
+        assert_eq!(
+            deinterleave_scales(RowLayout::X16, &scales, rows, cols),
+            p.scales.unwrap()
+        );
+        let view = HostPackedView {
+            ty: GgmlType::Q4_0,
+            rows,
+            cols,
+            words: &words,
+            scales: &scales,
+            mins: &[],
+            layout: RowLayout::X16,
+        };
+        let row = cols / 32 * 18;
+        for r in 0..rows {
+            assert_eq!(gguf_row(&view, r), bytes[r * row..(r + 1) * row], "row {r}");
+        }
+    }
+
     /// Which weights get which layout.
     #[test]
-    fn q4k_layouts_go_to_whole_groups_of_repacked_weights() {
-        use Q4kLayout::*;
+    fn row_layouts_go_to_whole_groups_of_repacked_weights() {
+        use RowLayout::*;
         let k = |sb: usize| sb * QK_K;
-        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 32, k(8), true), X16);
-        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 24, k(32), true), X8);
-        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 24, k(8), true), Rows);
-        assert_eq!(q4k_layout_for(X16, GgmlType::Q4K, 32, k(8), false), Rows);
-        assert_eq!(q4k_layout_for(X16, GgmlType::Q6K, 32, k(8), true), Rows);
-        assert_eq!(q4k_layout_for(X8, GgmlType::Q4K, 32, k(32), true), X8);
-        assert_eq!(q4k_layout_for(X8, GgmlType::Q4K, 32, k(8), true), Rows);
-        assert_eq!(q4k_layout_for(Rows, GgmlType::Q4K, 32, k(32), true), Rows);
+        assert_eq!(row_layout_for(X16, GgmlType::Q4K, 32, k(8), true), X16);
+        assert_eq!(row_layout_for(X16, GgmlType::Q4K, 24, k(32), true), X8);
+        assert_eq!(row_layout_for(X16, GgmlType::Q4K, 24, k(8), true), Rows);
+        assert_eq!(row_layout_for(X16, GgmlType::Q4K, 32, k(8), false), Rows);
+        assert_eq!(row_layout_for(X16, GgmlType::Q6K, 32, k(8), true), Rows);
+        assert_eq!(row_layout_for(X8, GgmlType::Q4K, 32, k(32), true), X8);
+        assert_eq!(row_layout_for(X8, GgmlType::Q4K, 32, k(8), true), Rows);
+        assert_eq!(row_layout_for(Rows, GgmlType::Q4K, 32, k(32), true), Rows);
+        assert_eq!(row_layout_for(X16, GgmlType::Q4_0, 32, 64, true), X16);
+        assert_eq!(row_layout_for(X16, GgmlType::Q4_0, 24, 64, true), Rows);
+        assert_eq!(row_layout_for(X16, GgmlType::Q4_0, 32, 64, false), Rows);
+        assert_eq!(row_layout_for(X8, GgmlType::Q4_0, 32, 64, true), Rows);
     }
 
     /// Packing then re-assembling a row gives the GGUF bytes back, for every packed type.

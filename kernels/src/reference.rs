@@ -10,7 +10,7 @@ use burn::tensor::{
     TensorMetadata, TensorPrimitive, activation,
 };
 
-use crate::packed::{BLOCK, GgmlType, HostPackedView, PackedTensor, Q4kLayout, dequantize_rows};
+use crate::packed::{BLOCK, GgmlType, HostPackedView, PackedTensor, RowLayout, dequantize_rows};
 use crate::{AdamWStep, AttentionOptions, RopeLayout};
 
 fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
@@ -120,7 +120,7 @@ pub fn packed_rows<B: Backend>(w: PackedTensor<B>, ids: IntTensor<B>) -> FloatTe
         scales: w.scales.map(|t| rows_f(t).into_primitive().tensor()),
         mins: w.mins.map(|t| rows_f(t).into_primitive().tensor()),
         repackable: w.repackable,
-        layout: Q4kLayout::Rows,
+        layout: RowLayout::Rows,
     };
     packed_dequantize::<B>(selected).into_primitive().tensor()
 }
@@ -128,6 +128,12 @@ pub fn packed_rows<B: Backend>(w: PackedTensor<B>, ids: IntTensor<B>) -> FloatTe
 /// `w` widened to f32 `[rows, cols]`. The split layouts (Q8_0, Q4_0, Q4_1) are dequantized with
 /// tensor ops on the device; the others on the host with `toy_quant`, ggml's `dequantize_row_*`.
 pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
+    // The split layouts are widened by tensor ops on rows in the file's order; the others by
+    // `dequantize_rows`, which reads any layout.
+    let w = match crate::packed::is_split(w.ty) {
+        true => deinterleaved(w),
+        false => w,
+    };
     let words = Tensor::<B, 2, Int>::from_primitive(w.words);
     let scales = || float::<B, 2>(w.scales.clone().expect("a split layout has scales"));
     match w.ty {
@@ -160,24 +166,38 @@ pub fn packed_dequantize<B: Backend>(w: PackedTensor<B>) -> Tensor<B, 2> {
     }
 }
 
-/// `w` in the file's row layout: an interleaved Q4_K weight (`packed::Q4kLayout`) read
-/// back, put back in row order and uploaded again; any other weight as it is.
+/// `w` in the file's row layout: an interleaved weight (`packed::RowLayout`) read back, put
+/// back in row order (its words, and a split type's scales) and uploaded again; any other
+/// weight as it is.
 pub fn deinterleaved<B: Backend>(w: PackedTensor<B>) -> PackedTensor<B> {
-    if w.layout == Q4kLayout::Rows {
+    if w.layout == RowLayout::Rows {
         return w;
     }
     let words = Tensor::<B, 2, Int>::from_primitive(w.words);
     let (device, [rows, per_row]) = (words.device(), words.dims());
     let host = host_words(words.into_data());
-    let plain =
-        crate::packed::q4k_deinterleave(w.layout, &host, rows, w.cols / crate::packed::QK_K);
+    let plain = crate::packed::deinterleave_rows(w.layout, w.ty, &host, rows, w.cols);
     let words = Tensor::<B, 2, Int>::from_data(
         TensorData::new(plain, [rows, per_row]),
         (&device, DType::U32),
     );
+    let scales = w.scales.map(|t| {
+        let t = float::<B, 2>(t);
+        let shape = t.dims();
+        let host: Vec<f32> = t
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("f32 scales");
+        let plain = crate::packed::deinterleave_scales(w.layout, &host, rows, w.cols);
+        Tensor::<B, 2>::from_data(TensorData::new(plain, shape), (&device, DType::F32))
+            .into_primitive()
+            .tensor()
+    });
     PackedTensor {
         words: words.into_primitive(),
-        layout: Q4kLayout::Rows,
+        scales,
+        layout: RowLayout::Rows,
         ..w
     }
 }

@@ -51,7 +51,7 @@ fn flex_matmul(file: &GgufFile, ty: GgmlType, m: usize, repackable: bool) -> Vec
         scales: host.scales.clone().map(|s| f32_t(s, [n, k / 32])),
         mins: host.mins.clone().map(|s| f32_t(s, [n, k / 32])),
         repackable,
-        layout: toy_kernels::packed::Q4kLayout::Rows,
+        layout: toy_kernels::packed::RowLayout::Rows,
     };
     let x = f32s(file, "x");
     let y = Flex::packed_matmul(f32_t(x[..m * k].to_vec(), [m, k]), w);

@@ -5,7 +5,7 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
 use toy_core::rng::SplitMix64;
-use toy_kernels::packed::{HostPacked, Q4kLayout, pack};
+use toy_kernels::packed::{HostPacked, RowLayout, pack};
 use toy_kernels::{AttentionOptions, PackedTensor, RopeLayout, ToyBackend, reference};
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
@@ -60,7 +60,7 @@ fn packed_tensor<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> PackedTensor<B
         scales: side(&p.scales),
         mins: side(&p.mins),
         repackable: false,
-        layout: Q4kLayout::Rows,
+        layout: RowLayout::Rows,
     }
 }
 
@@ -402,33 +402,44 @@ fn q4_1_matmul_flex_native() {
     check_matmul::<Flex>(GgmlType::Q4_1, true);
 }
 
-/// The CPU backend's interleaved Q4_K layouts (`packed::Q4kLayout`: X8 for AVX2, X16 for
-/// AVX-512 VNNI) give the bits of the file's layout in every op that reads a weight: the
-/// matmul for every row count (the eight- and sixteen-row kernels on the groups as they lie;
-/// where a form has no such kernel, rows put back in order), inside a batched pass that
-/// declares its sequences, the activations' gradient, embedding rows and the whole
+/// The CPU backend's interleaved layouts (`packed::RowLayout`: Q4_K in X8 for AVX2, Q4_K and
+/// Q4_0 in X16 for AVX-512 VNNI) give the bits of the file's layout in every op that reads a
+/// weight: the matmul for every row count (the eight- and sixteen-row kernels on the groups
+/// as they lie; where a form has no such kernel, rows put back in order), inside a batched
+/// pass that declares its sequences, the activations' gradient, embedding rows and the whole
 /// dequantized weight — on Flex and on NdArray's reference bodies.
 #[test]
-fn interleaved_q4_k_gives_the_file_layouts_bits() {
-    for layout in [Q4kLayout::X8, Q4kLayout::X16] {
-        check::<Flex>(layout);
-        check::<NdArray>(layout);
+fn interleaved_layouts_give_the_file_layouts_bits() {
+    for (ty, layout) in [
+        (GgmlType::Q4K, RowLayout::X8),
+        (GgmlType::Q4K, RowLayout::X16),
+        (GgmlType::Q4_0, RowLayout::X16),
+    ] {
+        check::<Flex>(ty, layout);
+        check::<NdArray>(ty, layout);
     }
-    fn check<B: ToyBackend>(layout: Q4kLayout) {
+    fn check<B: ToyBackend>(ty: GgmlType, layout: RowLayout) {
+        use toy_kernels::packed::{interleave_rows, interleave_scales};
         let d = Default::default();
-        let (n, k) = (48, 17 * 256); // two chunks of super-blocks: 16 and 1
-        let (p, _) = weight(GgmlType::Q4K, n, k, 91);
+        let (n, k) = (48, 17 * 256); // Q4_K: two chunks of super-blocks, 16 and 1
+        let (p, _) = weight(ty, n, k, 91);
         let plain = PackedTensor::<B> {
             repackable: true,
             ..packed_tensor::<B>(&p, &d)
         };
-        let words = toy_kernels::packed::q4k_interleave(layout, &p.words, n, k / 256);
+        let words = interleave_rows(layout, ty, &p.words, n, k);
+        let scales = p.scales.as_ref().map(|s| {
+            float::<B, 2>(interleave_scales(layout, s, n, k), [n, k / 32], &d)
+                .into_primitive()
+                .tensor()
+        });
         let inter = PackedTensor::<B> {
             words: Tensor::<B, 2, Int>::from_data(
                 TensorData::new(words, [n, p.words.len() / n]),
                 (&d, DType::U32),
             )
             .into_primitive(),
+            scales,
             layout,
             ..plain.clone()
         };
@@ -448,7 +459,7 @@ fn interleaved_q4_k_gives_the_file_layouts_bits() {
                 x().into_primitive().tensor(),
                 inter.clone(),
             ));
-            assert_eq!(got, want, "{layout:?}: matmul m={m}");
+            assert_eq!(got, want, "{ty} {layout:?}: matmul m={m}");
             if m == 17 {
                 let lens = [1, 4, 12];
                 let batched = |w: &PackedTensor<B>| {

@@ -10,7 +10,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_kernels::ToyBackend;
 use toy_kernels::packed::{
-    GgmlType, HostPacked, PackedTensor, Q4kLayout, q4k_interleave, q4k_layout_for,
+    GgmlType, HostPacked, PackedTensor, RowLayout, interleave_rows, interleave_scales,
+    row_layout_for,
 };
 
 /// A weight `[rows, cols]` in its GGUF block format (layouts: `toy_kernels::packed`).
@@ -29,25 +30,32 @@ pub struct PackedMatrix<B: Backend> {
     /// See `PackedTensor::repackable`: false for a token embedding table.
     pub repackable: bool,
     /// See `PackedTensor::layout`: how a Q4_K weight's rows lie (interleaved on the CPU).
-    pub layout: Q4kLayout,
+    pub layout: RowLayout,
 }
 
 impl<B: ToyBackend> PackedMatrix<B> {
     /// Upload a packed weight. `repackable`: whether it is a matmul weight llama.cpp would
-    /// repack (true) or a token embedding table (false). On a backend that interleaves Q4_K
-    /// weights (the CPU), such a weight is interleaved here, once.
+    /// repack (true) or a token embedding table (false). On a backend with its own layout for
+    /// the weights llama.cpp repacks (the CPU: `ToyBackend::row_layout`), such a weight is
+    /// interleaved here, once.
     pub fn from_host(packed: HostPacked, repackable: bool, device: &B::Device) -> Self {
         let per_row = packed.words.len() / packed.rows;
-        let layout = q4k_layout_for(
-            B::q4k_layout(),
+        let layout = row_layout_for(
+            B::row_layout(),
             packed.ty,
             packed.rows,
             packed.cols,
             repackable,
         );
         let words = match layout {
-            Q4kLayout::Rows => packed.words,
-            _ => q4k_interleave(layout, &packed.words, packed.rows, packed.cols / 256),
+            RowLayout::Rows => packed.words,
+            _ => interleave_rows(layout, packed.ty, &packed.words, packed.rows, packed.cols),
+        };
+        let scales = match layout {
+            RowLayout::Rows => packed.scales,
+            _ => packed
+                .scales
+                .map(|s| interleave_scales(layout, &s, packed.rows, packed.cols)),
         };
         let words = Tensor::from_data(
             TensorData::new(words, [packed.rows, per_row]),
@@ -65,7 +73,7 @@ impl<B: ToyBackend> PackedMatrix<B> {
         };
         PackedMatrix {
             words: Param::initialized(ParamId::new(), words),
-            scales: packed.scales.map(frozen),
+            scales: scales.map(frozen),
             mins: packed.mins.map(frozen),
             ty: packed.ty,
             cols: packed.cols,

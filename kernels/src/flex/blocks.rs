@@ -29,9 +29,7 @@ use toy_quant::f32_to_bf16;
 use super::qmatmul::{QuantRow, quantize_row, transpose_columns};
 use super::row_groups;
 use super::{GgmlIsa, ggml_isa};
-use crate::packed::{
-    GgmlType, HostPackedView, Q4kLayout, QK_K, q4k_deinterleave, row_bytes, row_words,
-};
+use crate::packed::{GgmlType, HostPackedView, RowLayout, deinterleave_rows, row_bytes, row_words};
 
 mod spec;
 use spec::*;
@@ -196,7 +194,8 @@ fn dot(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
 fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32 {
     use super::blocks_avx2 as v;
     use super::blocks32_avx2 as w32;
-    // SAFETY: only called after `blocks_avx2::available()`.
+    // SAFETY: only called after `blocks_avx2::available()`; the AVX-512 kernels only where
+    // `cpu_level` says the CPU has AVX-512 F/BW/VL/VNNI.
     unsafe {
         match (ty, x) {
             (_, ActRow::Q8K(y)) if form == Form::Tiled => v::dot_tiled(ty, w, y),
@@ -212,6 +211,10 @@ fn dot_avx2(ty: GgmlType, w: &[u8], x: &ActRow, form: Form, isa: GgmlIsa) -> f32
                 _ => v::dot_q45_k(w, y, false),
             },
             (GgmlType::Q5K, ActRow::Q8K(y)) => v::dot_q45_k(w, y, true),
+            // (AVX-512 VNNI: the same lanes in half the instructions.)
+            (GgmlType::Q6K, ActRow::Q8K(y)) if super::cpu_level() >= super::CpuLevel::Avx512 => {
+                super::blocks_vnni::dot_q6_k(w, y)
+            }
             (GgmlType::Q6K, ActRow::Q8K(y)) => v::dot_q6_k(w, y),
             (GgmlType::IQ4XS, ActRow::Q8K(y)) => v::dot_iq4_xs(w, y),
             (GgmlType::Q5_0, ActRow::Q8(y)) => w32::dot_q5_0(w, y),
@@ -449,16 +452,16 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
         .collect();
     const COLS: usize = 16;
     let per_row = row_words(ty, k);
-    // An interleaved Q4_K weight (`packed::Q4kLayout`): the sixteen-row kernels read each
+    // An interleaved Q4_K weight (`packed::RowLayout`): the sixteen-row kernels read each
     // X16 group as it lies (a repacked Q4_K weight's rows are all `Gemm` or `Gemv`); the
     // eight-row decode kernel reads each X8 group so; the other forms read rows, which each
     // task puts back in order first (a copy of its 16 rows, small beside the arithmetic of
     // several rows).
-    let x16 = w.layout == Q4kLayout::X16 && x16_kernels();
+    let x16 = w.layout == RowLayout::X16 && x16_kernels();
     let needs_rows = match w.layout {
-        Q4kLayout::Rows => false,
-        Q4kLayout::X8 => forms.iter().any(|&f| f != Form::Gemv),
-        Q4kLayout::X16 => !x16 || forms.iter().any(|&f| !matches!(f, Form::Gemm | Form::Gemv)),
+        RowLayout::Rows => false,
+        RowLayout::X8 => forms.iter().any(|&f| f != Form::Gemv),
+        RowLayout::X16 => !x16 || forms.iter().any(|&f| !matches!(f, Form::Gemm | Form::Gemv)),
     };
     let mut out_t = vec![0.0f32; n * m];
     out_t
@@ -472,16 +475,16 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                 return;
             }
             let plain: Option<Vec<u32>> =
-                needs_rows.then(|| q4k_deinterleave(w.layout, task_words, ncols, k / QK_K));
+                needs_rows.then(|| deinterleave_rows(w.layout, ty, task_words, ncols, k));
             let wr = |c: usize| match &plain {
                 Some(p) => row_bytes(ty, k, p, c),
                 None => {
-                    debug_assert_eq!(w.layout, Q4kLayout::Rows, "rows of an interleaved weight");
+                    debug_assert_eq!(w.layout, RowLayout::Rows, "rows of an interleaved weight");
                     row_bytes(ty, k, task_words, c)
                 }
             };
             let rows8 = |c0: usize| match w.layout {
-                Q4kLayout::X8 => Rows8::Interleaved(bytemuck::cast_slice(
+                RowLayout::X8 => Rows8::Interleaved(bytemuck::cast_slice(
                     &task_words[c0 * per_row..(c0 + 8) * per_row],
                 )),
                 _ => Rows8::Apart(std::array::from_fn(|r| wr(c0 + r))),

@@ -4,19 +4,19 @@
 //! What fixes an output's bits is ggml's float steps on exact integer sums; the integers may be
 //! formed by any instructions. Two ways here, both on `vpdpbusd` (unsigned weight × signed
 //! activation, four products per i32 lane):
-//! - Q4_K decode and prefill (`gemv_q4_k_x16`, `gemm_q4_k_x16`) and Q4_0 prefill
-//!   (`gemm_q4_0_x16`): sixteen weight rows side by side — Q4_K's as the CPU backend stores them
-//!   (`packed::interleave_q4k_x16`), Q4_0's built per matmul task (`Q40X16`) — each 32-bit
-//!   lane one output, the activations broadcast: no sums across lanes at all;
+//! - Q4_K and Q4_0, decode and prefill (`gemv_q4_k_x16`, `gemm_q4_k_x16`, `gemm_q4_0_x16`):
+//!   sixteen weight rows side by side, as the CPU backend stores them (`packed::RowLayout::X16`),
+//!   each 32-bit lane one output, the activations broadcast: no sums across lanes at all;
 //! - Q6_K's tiled 4-row form: one weight row, 64 values per instruction, the lanes gathered
-//!   into sub-block sums by a shuffle tree (`sums_of_fours`) and scaled by one `vpmulld`.
+//!   into sub-block sums by a shuffle tree (`sums_of_fours`) and scaled by one `vpmulld`;
+//! - Q6_K's one-row decode form (`dot_q6_k`): the AVX2 kernel's lanes, two registers in one.
 //!
 //! Each kernel is tested against the scalar specification (`blocks/tests.rs`, `qmatmul.rs`).
 
 use std::arch::x86_64::*;
 
 use super::blocks::Q8K;
-use super::blocks_avx2::{f16c_at, hsum_i32_8, load128, q6k_values};
+use super::blocks_avx2::{f16c_at, hsum_float_8, hsum_i32_8, load128, q6k_values};
 use super::qmatmul::QuantRow;
 use crate::packed::BLOCK;
 
@@ -96,7 +96,78 @@ pub(super) fn dot_q6_k_tiled_rows4(w: &[u8], x: [&[Q8K]; 4]) -> [f32; 4] {
     out
 }
 
-/// Bytes of a super-block of sixteen Q4_K rows in the X16 layout (`packed::interleave_q4k_x16`).
+/// `ggml_vec_dot_q6_K_q8_K` (the decode form; `blocks_avx2::dot_q6_k`) in 512-bit registers:
+/// each register holds two of the AVX2 kernel's 32-value registers (`q6k_values`' order, two by
+/// two), `vpmaddubsw` then `vpdpwssd` by the sub-block scales forms what the AVX2 code forms in
+/// `maddubs`, `madd` and `add`, and the two halves are added at the end — so each of the eight
+/// i32 lanes holds the AVX2 lane's integer, and the float steps (`acc = fma(d, lanes, acc)`, the
+/// same horizontal sum) are the same: the same bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn dot_q6_k(w: &[u8], x: &[Q8K]) -> f32 {
+    let (m15, m_high) = (_mm512_set1_epi8(15), _mm512_set1_epi8(0x30));
+    // Per 256-bit half: the shifts that bring a value's two high bits to bits 4..6 — left by 4
+    // and 2 (bits 0..2 and 2..4 of `qh`), right by 0 and 2 (bits 4..6 and 6..8).
+    let up = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+    let down = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+    // Per register `k`: scale bytes 4k, 4k + 1 (low 256 bits: 16 values each), 4k + 2, 4k + 3.
+    let picks: [__m256i; 4] = std::array::from_fn(|k| {
+        let b = |i: usize| (4 * k + i) as i8;
+        let lane = |i: usize| {
+            _mm_set_epi64x(
+                i64::from_ne_bytes([b(i + 1) as u8; 8]),
+                i64::from_ne_bytes([b(i) as u8; 8]),
+            )
+        };
+        _mm256_set_m128i(lane(2), lane(0))
+    });
+    let mut acc = _mm256_setzero_ps();
+    for (b, y) in w.chunks_exact(210).zip(x) {
+        let (ql, qh) = (&b[0..128], &b[128..192]);
+        let sc = _mm256_broadcastsi128_si256(load128(&b[192..208]));
+        let mut sumi = _mm512_setzero_si512();
+        for j in 0..2 {
+            let bits = load_at(ql, 64 * j);
+            // SAFETY: 32 bytes of `qh` at 32·j.
+            let h = _mm512_broadcast_i64x4(unsafe {
+                _mm256_loadu_si256(qh.as_ptr().add(32 * j) as *const __m256i)
+            });
+            let q = [
+                _mm512_or_si512(
+                    _mm512_and_si512(bits, m15),
+                    _mm512_and_si512(_mm512_sllv_epi16(h, up), m_high),
+                ),
+                _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(bits), m15),
+                    _mm512_and_si512(_mm512_srlv_epi16(h, down), m_high),
+                ),
+            ];
+            for (t, q) in q.iter().enumerate() {
+                let k = 2 * j + t;
+                // SAFETY: 64 activations at 64·k + 64 ≤ 256.
+                let y8 = unsafe { _mm512_loadu_si512(y.qs.as_ptr().add(64 * k) as *const _) };
+                let scale = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc, picks[k]));
+                sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(*q, y8), scale);
+            }
+        }
+        let lanes = _mm256_add_epi32(
+            _mm512_castsi512_si256(sumi),
+            _mm512_extracti64x4_epi64::<1>(sumi),
+        );
+        // The offset of 32, per lane as the AVX2 code takes it out.
+        // SAFETY: `bsums` is 16 i16 = 32 bytes.
+        let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
+        let sc16 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(sc));
+        let lanes = _mm256_sub_epi32(
+            lanes,
+            _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, sc16)),
+        );
+        let d = y.d * f16c_at(b, 208);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    hsum_float_8(acc)
+}
+
+/// Bytes of a super-block of sixteen Q4_K rows in the X16 layout (`packed::interleave_x16`).
 pub(super) const Q4K_X16_BLOCK: usize = 16 * 144;
 
 /// One X16 super-block's fields, sixteen rows per register (row `r` in 32-bit lane `r`).
@@ -293,20 +364,6 @@ fn load_at(b: &[u8], at: usize) -> __m512i {
     unsafe { _mm512_loadu_si512(b.as_ptr().add(at) as *const _) }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn load_ps(v: &[f32; 16]) -> __m512 {
-    // SAFETY: 16 f32 = 64 bytes.
-    unsafe { _mm512_loadu_ps(v.as_ptr()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn load_bytes(v: &[u8; 64]) -> __m512i {
-    // SAFETY: 64 bytes.
-    unsafe { _mm512_loadu_si512(v.as_ptr() as *const _) }
-}
-
 /// Four activation bytes repeated in every 32-bit lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -316,61 +373,34 @@ fn broadcast4(q: &[i8]) -> __m512i {
     _mm512_set1_epi32(unsafe { (q.as_ptr() as *const i32).read_unaligned() })
 }
 
-/// Sixteen Q4_0 weight rows (the split layout: nibbles, f32 scales apart) laid out for
-/// `gemm_q4_0_x16`, row `r` in 32-bit lane `r` of every field, as `Q4kX16`.
-pub(super) struct Q40X16 {
-    blocks: Vec<Q40X16Block>,
-}
+/// Bytes of a block of sixteen Q4_0 rows' nibbles in the X16 layout (`packed::interleave_x16`:
+/// per 4-byte group, the rows' four bytes each; the rows' sixteen scales lie apart).
+pub(super) const Q40_X16_BLOCK: usize = 256;
 
-#[repr(C, align(64))]
-struct Q40X16Block {
-    d: [f32; 16],
-    /// Per 4-byte group of the 16 nibble bytes: the rows' four bytes, row `r` at `4r..4r + 4`.
-    qs: [[u8; 64]; 4],
-}
-
-impl Q40X16 {
-    /// `quants`: sixteen rows' nibbles (16 bytes per block); `scales`: their block scales.
-    pub(super) fn new(quants: [&[u8]; 16], scales: [&[f32]; 16]) -> Self {
-        let nb = scales[0].len();
-        assert!((0..16).all(|r| quants[r].len() == 16 * nb && scales[r].len() == nb));
-        let blocks = (0..nb)
-            .map(|i| {
-                let mut out = Q40X16Block {
-                    d: std::array::from_fn(|r| scales[r][i]),
-                    qs: [[0; 64]; 4],
-                };
-                for (r, row) in quants.iter().enumerate() {
-                    for (g, group) in out.qs.iter_mut().enumerate() {
-                        let at = 16 * i + 4 * g;
-                        group[4 * r..4 * r + 4].copy_from_slice(&row[at..at + 4]);
-                    }
-                }
-                out
-            })
-            .collect();
-        Self { blocks }
-    }
-}
-
-/// `dot_repacked_32` of a Q4_0 weight (llama.cpp's `gemm_q4_0_8x8`) for sixteen weight rows
-/// against four activation rows, each output in a lane of its own: per block, `vpdpbusd` adds
-/// the unsigned nibbles times broadcast activation groups onto `−8·Σx` (so the lane is the
-/// exact block sum `Σ (q − 8)·x`), then `acc = fma(isum, d_w·d_x, acc)`: the specification's
-/// integers and float steps, so its bits.
+/// `dot_repacked_32` of a Q4_0 weight (llama.cpp's `gemv_q4_0_8x8` and `gemm_q4_0_8x8`, the
+/// same float steps) for the sixteen rows of an X16 group — `qs`: its nibble blocks, `d`: its
+/// scales, sixteen per block — against `A` activation rows, each output in a lane of its own:
+/// per block, `vpdpbusd` adds the unsigned nibbles times broadcast activation groups onto
+/// `−8·Σx` (so the lane is the exact block sum `Σ (q − 8)·x`), then
+/// `acc = fma(isum, d_w·d_x, acc)`: the specification's integers and float steps, so its bits.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) fn gemm_q4_0_x16(w: &Q40X16, x: [&QuantRow; 4]) -> [[f32; 16]; 4] {
-    let nb = w.blocks.len();
+pub(super) fn gemm_q4_0_x16<const A: usize>(
+    qs: &[u8],
+    d: &[f32],
+    x: [&QuantRow; A],
+) -> [[f32; 16]; A] {
+    let nb = qs.len() / Q40_X16_BLOCK;
+    assert!(d.len() >= 16 * nb);
     assert!(
         x.iter()
             .all(|x| x.quants.len() >= BLOCK * nb && x.scales.len() >= nb)
     );
     let m4 = _mm512_set1_epi8(0x0F);
     let ones = _mm256_set1_epi8(1);
-    let mut acc = [_mm512_setzero_ps(); 4];
-    for (i, b) in w.blocks.iter().enumerate() {
-        let mut isum = [_mm512_setzero_si512(); 4];
-        for a in 0..4 {
+    let mut acc = [_mm512_setzero_ps(); A];
+    for i in 0..nb {
+        let mut isum = [_mm512_setzero_si512(); A];
+        for a in 0..A {
             // SAFETY: block i's 32 activations are in `quants` (asserted above).
             let y = unsafe {
                 _mm256_loadu_si256(x[a].quants.as_ptr().add(BLOCK * i) as *const __m256i)
@@ -379,23 +409,24 @@ pub(super) fn gemm_q4_0_x16(w: &Q40X16, x: [&QuantRow; 4]) -> [[f32; 16]; 4] {
             isum[a] = _mm512_set1_epi32(-8 * total);
         }
         for g in 0..4 {
-            let wq = load_bytes(&b.qs[g]);
+            let wq = load_at(qs, Q40_X16_BLOCK * i + 64 * g);
             let lo = _mm512_and_si512(wq, m4);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wq), m4);
-            for a in 0..4 {
+            for a in 0..A {
                 let q = &x[a].quants[BLOCK * i..BLOCK * i + BLOCK];
                 isum[a] = _mm512_dpbusd_epi32(isum[a], lo, broadcast4(&q[4 * g..]));
                 isum[a] = _mm512_dpbusd_epi32(isum[a], hi, broadcast4(&q[16 + 4 * g..]));
             }
         }
-        let d = load_ps(&b.d);
-        for a in 0..4 {
-            let scale = _mm512_mul_ps(d, _mm512_set1_ps(x[a].scales[i]));
+        // SAFETY: 16 scales at 16·i + 16 ≤ d.len() (asserted above).
+        let dw = unsafe { _mm512_loadu_ps(d.as_ptr().add(16 * i)) };
+        for a in 0..A {
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(x[a].scales[i]));
             acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[a]), scale, acc[a]);
         }
     }
-    let mut out = [[0.0f32; 16]; 4];
-    for a in 0..4 {
+    let mut out = [[0.0f32; 16]; A];
+    for a in 0..A {
         // SAFETY: 16 f32 = 64 bytes.
         unsafe { _mm512_storeu_ps(out[a].as_mut_ptr(), acc[a]) };
     }

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::*;
-use crate::packed::{GgmlType, Q4kLayout, row_words};
+use crate::packed::{GgmlType, RowLayout, row_words};
 
 /// An activation row quantized to 8-bit blocks (ggml's Q8_0 / Q8_1).
 pub(super) struct QuantRow {
@@ -346,7 +346,7 @@ pub(super) struct HostWeight {
     words: FlexTensor,
     scales: Option<FlexTensor>,
     mins: Option<FlexTensor>,
-    layout: Q4kLayout,
+    layout: RowLayout,
 }
 
 impl HostWeight {
@@ -441,6 +441,17 @@ impl Operands {
             GgmlType::Q8_0 => split_matmul(Format::Q8_0, x, self.m, &w),
             GgmlType::Q4_0 if blocks::repacked(w.ty, w.rows, self.repackable) => {
                 q4_0_repacked(x, self.m, &w)
+            }
+            GgmlType::Q4_0 if w.layout != RowLayout::Rows => {
+                // An X16 weight made a token embedding table (`with_repackable`): rows again.
+                let (words, scales) = crate::packed::deinterleaved_host(&w);
+                let plain = HostPackedView {
+                    words: &words,
+                    scales: &scales,
+                    layout: RowLayout::Rows,
+                    ..w
+                };
+                split_matmul(Format::Q4_0, x, self.m, &plain)
             }
             GgmlType::Q4_0 => split_matmul(Format::Q4_0, x, self.m, &w),
             GgmlType::Q4_1 => split_matmul(Format::Q4_1, x, self.m, &w),
@@ -551,6 +562,19 @@ fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> 
 /// Q4_0 as llama.cpp's repacked `q4_0_8x8` kernels compute it (see `blocks::dot_repacked_32`).
 fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
     let (k, n) = (w.cols, w.rows);
+    // The X16 layout is read by the sixteen-row kernels (AVX-512 VNNI); elsewhere (a weight
+    // stored on such a CPU, read with its AVX-512 turned off) put back in row order first.
+    let x16 = w.layout == RowLayout::X16;
+    if x16 && !(cfg!(target_arch = "x86_64") && cpu_level() >= CpuLevel::Avx512) {
+        let (words, scales) = crate::packed::deinterleaved_host(w);
+        let plain = HostPackedView {
+            words: &words,
+            scales: &scales,
+            layout: RowLayout::Rows,
+            ..*w
+        };
+        return q4_0_repacked(x, m, &plain);
+    }
     let bytes: &[u8] = bytemuck::cast_slice(w.words);
     let (nb, row_bytes) = (k / BLOCK, k / 2);
     let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
@@ -599,35 +623,36 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
         }
     };
     // Groups of eight columns, as llama.cpp's 8x8 kernels (the repacked layout needs n % 8 ==
-    // 0); sixteen where the CPU has AVX-512 VNNI and there are four activation rows to share
-    // them, each output in a 32-bit lane of its own (`blocks_vnni::gemm_q4_0_x16`).
-    let sixteen = m >= 4 && cpu_level() >= CpuLevel::Avx512;
-    let width = if sixteen { 16 } else { 8 };
+    // 0); sixteen in the X16 layout, each output in a 32-bit lane of its own
+    // (`blocks_vnni::gemm_q4_0_x16`).
+    let width = if x16 { 16 } else { 8 };
     out_t
         .par_chunks_mut(width * m)
         .enumerate()
         .for_each(|(g, cols)| {
-            let j0 = width * g;
-            let mut i0 = 0;
             #[cfg(target_arch = "x86_64")]
-            if sixteen && cols.len() == 16 * m {
-                let x16 = blocks_vnni::Q40X16::new(
-                    std::array::from_fn(|r| quants(j0 + r)),
-                    std::array::from_fn(|r| scales(j0 + r)),
-                );
-                while i0 + 4 <= m {
-                    let x = std::array::from_fn(|a| &rows[i0 + a]);
-                    // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI (`cpu_level`).
-                    let y = unsafe { blocks_vnni::gemm_q4_0_x16(&x16, x) };
-                    for (a, y) in y.iter().enumerate() {
-                        (0..16).for_each(|r| cols[r * m + i0 + a] = y[r]);
-                    }
-                    i0 += 4;
+            if x16 {
+                let qs = &bytes[16 * g * row_bytes..16 * (g + 1) * row_bytes];
+                let d = &w.scales[16 * g * nb..16 * (g + 1) * nb];
+                let mut put =
+                    |i: usize, y: &[f32; 16]| (0..16).for_each(|r| cols[r * m + i] = y[r]);
+                let mut i = 0;
+                // SAFETY (each call): the CPU has AVX-512 F/BW/VL/VNNI (checked above).
+                while i + 4 <= m {
+                    let x = std::array::from_fn(|a| &rows[i + a]);
+                    let y = unsafe { blocks_vnni::gemm_q4_0_x16::<4>(qs, d, x) };
+                    y.iter().enumerate().for_each(|(a, y)| put(i + a, y));
+                    i += 4;
                 }
+                for i in i..m {
+                    put(
+                        i,
+                        &unsafe { blocks_vnni::gemm_q4_0_x16::<1>(qs, d, [&rows[i]]) }[0],
+                    );
+                }
+                return;
             }
-            for (h, half) in cols.chunks_mut(8 * m).enumerate() {
-                eight(j0 + 8 * h, i0, half);
-            }
+            eight(width * g, 0, cols);
         });
     transpose_columns(out_t, m, n)
 }
@@ -802,7 +827,8 @@ mod tests {
         }
     }
 
-    /// Q4_0's sixteen-row kernel (AVX-512 VNNI) gives each output the specification's bits.
+    /// Q4_0's sixteen-row kernel (AVX-512 VNNI) on the X16 layout gives each output the
+    /// specification's bits, four activation rows at a time (prefill) or one (decode).
     #[test]
     fn repacked_q4_0_sixteen_rows_match_the_spec() {
         if cpu_level() < CpuLevel::Avx512 {
@@ -816,13 +842,19 @@ mod tests {
                 .collect();
             let w: Vec<u8> = (0..16 * nb * 16).map(|_| (next() * 256.0) as u8).collect();
             let s: Vec<f32> = (0..16 * nb).map(|_| next() * 0.1).collect();
-            let x16 = blocks_vnni::Q40X16::new(
-                std::array::from_fn(|r| &w[r * nb * 16..(r + 1) * nb * 16]),
-                std::array::from_fn(|r| &s[r * nb..(r + 1) * nb]),
-            );
+            let words: Vec<u32> = bytemuck::pod_collect_to_vec(&w);
+            let qs = crate::packed::interleave_x16(&words, 16, nb, 4);
+            let qs: &[u8] = bytemuck::cast_slice(&qs);
+            let d = crate::packed::interleave_x16(&s, 16, nb, 1);
             // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI (checked above).
-            let got =
-                unsafe { blocks_vnni::gemm_q4_0_x16(&x16, std::array::from_fn(|a| &rows[a])) };
+            let got = unsafe {
+                blocks_vnni::gemm_q4_0_x16::<4>(qs, &d, std::array::from_fn(|a| &rows[a]))
+            };
+            for (a, row) in rows.iter().enumerate() {
+                // SAFETY: as above.
+                let one = unsafe { blocks_vnni::gemm_q4_0_x16::<1>(qs, &d, [row]) };
+                assert_eq!(one[0].map(f32::to_bits), got[a].map(f32::to_bits));
+            }
             for (a, row) in rows.iter().enumerate() {
                 for r in 0..16 {
                     let want = blocks::dot_repacked_32(

@@ -204,8 +204,9 @@ fn two_by_four_dots_are_bit_identical_to_the_spec() {
     assert_eq!(checked, 64);
 }
 
-/// The AVX2 dots give the specification's bits for every type and form, on rows of 1 to 9
-/// super-blocks (odd block counts exercise IQ4_NL's scalar last block).
+/// The AVX2 dots (and the AVX-512 ones `dot_avx2` takes where the CPU has them) give the
+/// specification's bits for every type and form, on rows of 1 to 9 super-blocks (odd block
+/// counts exercise IQ4_NL's scalar last block).
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx2_dots_are_bit_identical_to_the_spec() {
@@ -272,67 +273,120 @@ fn avx2_dots_are_bit_identical_to_the_spec() {
                     );
                     checked += 1;
                 }
+                // Where `dot_avx2` takes an AVX-512 kernel, the AVX2 one it stands in for.
+                if let (GgmlType::Q6K, Form::VecDot, ActRow::Q8K(y)) = (ty, form, &act) {
+                    let want = dot(ty, &w, &act, form, GgmlIsa::Avx2);
+                    // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+                    let got = unsafe { super::super::blocks_avx2::dot_q6_k(&w, y) };
+                    assert_eq!(got.to_bits(), want.to_bits(), "AVX2 Q6_K, k {k}");
+                }
             }
         }
     }
     assert!(checked > 60, "{checked}");
 }
 
-/// Not a test: the bandwidth `dot8_q4_k_gemv` reads a 1B-model-sized Q4_K matrix at, with the
-/// rows apart (the file's layout) and interleaved by eight. `cargo test --release -p toy-kernels
-/// --lib q4k_gemv_bandwidth -- --ignored --nocapture`.
+/// Not a test: the bandwidth the decode kernels read a 1B-model-sized matrix at (one activation
+/// row, both cores), each kernel against the one it replaces on this CPU: Q4_K with the rows
+/// apart, interleaved by eight (AVX2) and as X16 (AVX-512 VNNI); Q6_K's one-row AVX2 and
+/// AVX-512 kernels. Rounds alternate the kernels, so a noisy machine moves them alike.
+/// `cargo test --release -p toy-kernels --lib gemv_bandwidth -- --ignored --nocapture`.
 #[cfg(target_arch = "x86_64")]
 #[test]
 #[ignore]
-fn q4k_gemv_bandwidth() {
+fn gemv_bandwidth() {
+    use super::super::{blocks_avx2, blocks_vnni};
+    let vnni = x16_kernels();
+    // 75 MB of Q4_K each: far past the caches, as a 1B model's weights are.
     for (rows, sb) in [(65536usize, 8usize), (16384, 32)] {
-        q4k_gemv_bandwidth_of(rows, sb);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn q4k_gemv_bandwidth_of(rows: usize, sb: usize) {
-    use super::super::blocks_avx2::dot8_q4_k_gemv;
-    let k = sb * QK_K;
-    let mut next = rng(5);
-    let bytes: Vec<u8> = (0..rows)
-        .flat_map(|_| random_row(GgmlType::Q4K, sb, &mut next))
-        .collect();
-    let inter = crate::packed::interleave_q4k_x8(&bytes, rows, sb);
-    let x = random_activations(k, &mut next);
-    let ActRow::Q8K(y) = activation(GgmlType::Q4K, &x, Form::Gemv) else {
-        unreachable!()
-    };
-    let row_len = sb * 144;
-    let run = |interleaved: bool| -> Vec<f32> {
-        (0..rows / 8)
-            .into_par_iter()
-            .flat_map_iter(|g| {
-                let w = if interleaved {
-                    Rows8::Interleaved(&inter[g * 8 * row_len..(g + 1) * 8 * row_len])
-                } else {
-                    Rows8::Apart(std::array::from_fn(|r| {
-                        &bytes[(g * 8 + r) * row_len..(g * 8 + r + 1) * row_len]
-                    }))
-                };
-                // SAFETY: AVX2 checked by the caller's CPU (this is a manual benchmark).
-                unsafe { dot8_q4_k_gemv(w, &y) }
-            })
-            .collect()
-    };
-    assert_eq!(run(false), run(true), "the same bits either way");
-    for round in 0..3 {
-        for interleaved in [false, true] {
-            let t = std::time::Instant::now();
-            let reps = 20;
-            for _ in 0..reps {
-                std::hint::black_box(run(interleaved));
+        let k = sb * QK_K;
+        let mut next = rng(5);
+        let x = random_activations(k, &mut next);
+        let ActRow::Q8K(y) = activation(GgmlType::Q4K, &x, Form::Gemv) else {
+            unreachable!()
+        };
+        let q4k: Vec<u8> = (0..rows)
+            .flat_map(|_| random_row(GgmlType::Q4K, sb, &mut next))
+            .collect();
+        let x8 = crate::packed::interleave_q4k_x8(&q4k, rows, sb);
+        let x16: Vec<u32> =
+            crate::packed::interleave_x16(&bytemuck::pod_collect_to_vec(&q4k), rows, sb, 36);
+        let x16: &[u8] = bytemuck::cast_slice(&x16);
+        let q6k: Vec<u8> = (0..rows)
+            .flat_map(|_| random_row(GgmlType::Q6K, sb, &mut next))
+            .collect();
+        let row_len = sb * 144;
+        // SAFETY (every kernel call): AVX2 and, for the VNNI kernels, AVX-512 VNNI are checked
+        // (`x16_kernels`) before they run.
+        let q4k_rows8 = |interleaved: bool| -> Vec<f32> {
+            (0..rows / 8)
+                .into_par_iter()
+                .flat_map_iter(|g| {
+                    let w = match interleaved {
+                        true => Rows8::Interleaved(&x8[g * 8 * row_len..(g + 1) * 8 * row_len]),
+                        false => Rows8::Apart(std::array::from_fn(|r| {
+                            &q4k[(g * 8 + r) * row_len..(g * 8 + r + 1) * row_len]
+                        })),
+                    };
+                    unsafe { blocks_avx2::dot8_q4_k_gemv(w, &y) }
+                })
+                .collect()
+        };
+        let q4k_x16 = || -> Vec<f32> {
+            x16.par_chunks(16 * row_len)
+                .flat_map_iter(|g| unsafe { blocks_vnni::gemv_q4_k_x16(g, &y) })
+                .collect()
+        };
+        let q6k_rows = |avx512: bool| -> Vec<f32> {
+            q6k.par_chunks(sb * 210)
+                .map(|w| unsafe {
+                    match avx512 {
+                        true => blocks_vnni::dot_q6_k(w, &y),
+                        false => blocks_avx2::dot_q6_k(w, &y),
+                    }
+                })
+                .collect()
+        };
+        assert_eq!(
+            q4k_rows8(false),
+            q4k_rows8(true),
+            "the same bits either way"
+        );
+        let mut kernels: Vec<(&str, usize, Box<dyn Fn() -> Vec<f32> + Sync + '_>)> = vec![
+            (
+                "Q4_K rows apart, AVX2 8-row",
+                q4k.len(),
+                Box::new(|| q4k_rows8(false)),
+            ),
+            (
+                "Q4_K X8, AVX2 8-row",
+                q4k.len(),
+                Box::new(|| q4k_rows8(true)),
+            ),
+            ("Q6_K, AVX2", q6k.len(), Box::new(|| q6k_rows(false))),
+        ];
+        if vnni {
+            assert_eq!(q4k_x16(), q4k_rows8(true), "the same bits in X16");
+            assert_eq!(q6k_rows(true), q6k_rows(false), "the same bits in AVX-512");
+            kernels.push(("Q4_K X16, AVX-512 VNNI", q4k.len(), Box::new(q4k_x16)));
+            kernels.push(("Q6_K, AVX-512 VNNI", q6k.len(), Box::new(|| q6k_rows(true))));
+        }
+        let mut best = vec![f64::MAX; kernels.len()];
+        for _round in 0..5 {
+            for (i, (_, _, run)) in kernels.iter().enumerate() {
+                let t = std::time::Instant::now();
+                let reps = 10;
+                for _ in 0..reps {
+                    std::hint::black_box(run());
+                }
+                best[i] = best[i].min(t.elapsed().as_secs_f64() / reps as f64);
             }
-            let s = t.elapsed().as_secs_f64() / reps as f64;
+        }
+        for ((name, bytes, _), s) in kernels.iter().zip(best) {
             eprintln!(
-                "{rows} × {k}: round {round} interleaved={interleaved}: {:.2} ms, {:.1} GB/s",
+                "{rows} × {k} {name}: {:.2} ms, {:.1} GB/s (best of 5 rounds)",
                 s * 1e3,
-                bytes.len() as f64 / s / 1e9
+                *bytes as f64 / s / 1e9
             );
         }
     }
@@ -354,7 +408,7 @@ fn sixteen_row_q4_k_kernels_are_bit_identical_to_the_spec() {
         let k = sb * QK_K;
         let w: Vec<Vec<u8>> = (0..16).map(|_| random_row(ty, sb, &mut next)).collect();
         let words: Vec<u32> = bytemuck::pod_collect_to_vec(&w.concat());
-        let x16: Vec<u32> = crate::packed::interleave_q4k_x16(&words, 16, sb);
+        let x16: Vec<u32> = crate::packed::interleave_x16(&words, 16, sb, 36);
         let x16: &[u8] = bytemuck::cast_slice(&x16);
         let x: Vec<Vec<f32>> = (0..4).map(|_| random_activations(k, &mut next)).collect();
         for form in [Form::Gemm, Form::Gemv] {
