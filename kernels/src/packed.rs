@@ -209,9 +209,10 @@ pub fn row_bytes(ty: GgmlType, cols: usize, words: &[u32], r: usize) -> &[u8] {
 /// Super-blocks per chunk of the interleaved Q4_K layout ([`interleave_q4k_x8`]).
 pub const Q4K_X8_CHUNK: usize = 16;
 
-/// How a backend lays out the rows of a matmul weight of a type llama.cpp repacks on x86 (Q4_K,
-/// Q4_0). Each interleaved layout is a permutation of the packed words (and, for Q4_0, of the
-/// f32 scales) — no byte more — made once at load; [`gguf_row`] reads any.
+/// How a backend lays out the rows of a Q4_K, Q4_0 or Q8_0 weight (the CPU's decode reads them
+/// sixteen rows at a time). Each interleaved layout is a permutation of the packed words (and,
+/// for the split types, of the f32 scales) — no byte more — made once at load; [`gguf_row`]
+/// reads any.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RowLayout {
     /// Row after row, as in the file.
@@ -220,7 +221,7 @@ pub enum RowLayout {
     /// Q4_K: eight rows interleaved by chunks of super-blocks ([`interleave_q4k_x8`]): the
     /// AVX2 eight-row kernel reads a group as one stream.
     X8,
-    /// Q4_K and Q4_0: sixteen rows' blocks transposed word by word ([`interleave_x16`]): each
+    /// Q4_K, Q4_0, Q8_0: sixteen rows' blocks transposed word by word ([`interleave_x16`]): each
     /// field of a block holds the sixteen rows side by side, so an AVX-512 kernel keeps the
     /// sixteen outputs in the lanes of one register.
     X16,
@@ -228,9 +229,9 @@ pub enum RowLayout {
 
 /// The layout a backend that prefers `preferred` gives a weight: an interleaved one only for a
 /// matmul weight llama.cpp repacks (`block_q4_Kx8`, `block_q4_0x8`: so the kernels that read it
-/// compute llama.cpp's repacked forms) whose rows fill whole groups — X16 needs rows in
-/// sixteens (else Q4_K takes X8), X8 rows in eights and more than one chunk per row (a row of
-/// one chunk already lies so).
+/// compute llama.cpp's repacked forms) or a Q8_0 weight (whose form is the same either way),
+/// and only where its rows fill whole groups — X16 needs rows in sixteens (else Q4_K takes X8),
+/// X8 rows in eights and more than one chunk per row (a row of one chunk already lies so).
 pub fn row_layout_for(
     preferred: RowLayout,
     ty: GgmlType,
@@ -238,11 +239,14 @@ pub fn row_layout_for(
     cols: usize,
     repackable: bool,
 ) -> RowLayout {
-    if !repackable {
+    // Q8_0 takes ggml's `vec_dot` whether or not the weight is a token embedding table: its
+    // layout serves both. The others' tables keep their rows.
+    if !repackable && ty != GgmlType::Q8_0 {
         return RowLayout::Rows;
     }
     let x8 = ty == GgmlType::Q4K && rows.is_multiple_of(8) && cols > Q4K_X8_CHUNK * QK_K;
-    let x16 = matches!(ty, GgmlType::Q4K | GgmlType::Q4_0) && rows.is_multiple_of(16);
+    let x16 =
+        matches!(ty, GgmlType::Q4K | GgmlType::Q4_0 | GgmlType::Q8_0) && rows.is_multiple_of(16);
     match preferred {
         RowLayout::X16 if x16 => RowLayout::X16,
         RowLayout::X16 | RowLayout::X8 if x8 => RowLayout::X8,
@@ -252,11 +256,13 @@ pub fn row_layout_for(
 
 /// The transposition unit of the X16 layout for a type: (values per block, u32 words per
 /// block of its words). Q4_K: a super-block of 36 words (`d`/`dmin`, three scale words, 32
-/// words of nibbles); Q4_0: a block of 4 words of nibbles (its scales are apart, one f32 each).
+/// words of nibbles); Q4_0: a block of 4 words of nibbles, Q8_0 of 8 words of quants (their
+/// scales are apart, one f32 each).
 fn x16_unit(ty: GgmlType) -> (usize, usize) {
     match ty {
         GgmlType::Q4K => (QK_K, 36),
         GgmlType::Q4_0 => (BLOCK, 4),
+        GgmlType::Q8_0 => (BLOCK, 8),
         _ => unreachable!("{ty} has no X16 layout"),
     }
 }
@@ -646,6 +652,8 @@ mod tests {
         assert_eq!(row_layout_for(X16, GgmlType::Q4_0, 24, 64, true), Rows);
         assert_eq!(row_layout_for(X16, GgmlType::Q4_0, 32, 64, false), Rows);
         assert_eq!(row_layout_for(X8, GgmlType::Q4_0, 32, 64, true), Rows);
+        assert_eq!(row_layout_for(X16, GgmlType::Q8_0, 32, 64, false), X16);
+        assert_eq!(row_layout_for(X16, GgmlType::Q8_0, 40, 64, true), Rows);
     }
 
     /// Packing then re-assembling a row gives the GGUF bytes back, for every packed type.

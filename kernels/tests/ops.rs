@@ -402,8 +402,8 @@ fn q4_1_matmul_flex_native() {
     check_matmul::<Flex>(GgmlType::Q4_1, true);
 }
 
-/// The CPU backend's interleaved layouts (`packed::RowLayout`: Q4_K in X8 for AVX2, Q4_K and
-/// Q4_0 in X16 for AVX-512 VNNI) give the bits of the file's layout in every op that reads a
+/// The CPU backend's interleaved layouts (`packed::RowLayout`: Q4_K in X8 for AVX2; Q4_K,
+/// Q4_0 and Q8_0 in X16 for AVX-512 VNNI) give the bits of the file's layout in every op that reads a
 /// weight: the matmul for every row count (the eight- and sixteen-row kernels on the groups
 /// as they lie; where a form has no such kernel, rows put back in order), inside a batched
 /// pass that declares its sequences, the activations' gradient, embedding rows and the whole
@@ -414,6 +414,7 @@ fn interleaved_layouts_give_the_file_layouts_bits() {
         (GgmlType::Q4K, RowLayout::X8),
         (GgmlType::Q4K, RowLayout::X16),
         (GgmlType::Q4_0, RowLayout::X16),
+        (GgmlType::Q8_0, RowLayout::X16),
     ] {
         check::<Flex>(ty, layout);
         check::<NdArray>(ty, layout);

@@ -488,8 +488,20 @@ fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> 
             scales,
             mins,
             n,
+            x16: w.layout == RowLayout::X16,
         };
         return vnni::matmul(format, x, m, k, w);
+    }
+    if w.layout != RowLayout::Rows {
+        // An X16 weight read where its kernels are not (AVX-512 turned off): rows again.
+        let (words, scales) = crate::packed::deinterleaved_host(w);
+        let plain = HostPackedView {
+            words: &words,
+            scales: &scales,
+            layout: RowLayout::Rows,
+            ..*w
+        };
+        return split_matmul(format, x, m, &plain);
     }
     let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
     let row_bytes = bytes.len() / n;

@@ -226,6 +226,9 @@ pub(super) struct Weights<'a> {
     pub mins: &'a [f32],
     /// Output columns (weight rows).
     pub n: usize,
+    /// Q8_0 in the X16 layout (`packed::RowLayout::X16`): each group of sixteen rows' blocks
+    /// transposed word by word, the scales alike; `n` a multiple of 16.
+    pub x16: bool,
 }
 
 /// `[u8; 64]` of weight block `b` of row `j` placed in both 256-bit halves, unsigned.
@@ -393,6 +396,44 @@ unsafe fn row_dot<const F: usize>(x: &Row, w: &Weights, j: usize) -> f32 {
     }
 }
 
+/// Outputs of one X16 group of a Q8_0 weight for a single activation row (decode): `bytes`,
+/// per block, the sixteen rows' eight quant words side by side (512 bytes); `scales`, per
+/// block, their sixteen scales. Each output lives in a 32-bit lane, its eight ggml lanes in
+/// eight registers: per block and lane `l`, one `vpdpbusd` of the rows' word `l` (made
+/// unsigned, `w + 128`) by the activations' word `l` broadcast, from the lane's bias — the
+/// exact lane sum of `row_dot` — then `fma(d_w · d_x, lane, acc_l)`; at the end
+/// `hsum_float_8`'s additions across the eight registers. Per output the operations of
+/// `row_dot`, so its bits, with no sum across lanes and one weight stream per group.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn row_x16(x: &Row, bytes: &[u8], scales: &[f32]) -> [f32; 16] {
+    let blocks = x.d.len();
+    assert!(bytes.len() >= blocks * 16 * BLOCK && scales.len() >= blocks * 16);
+    assert!(x.q.len() >= blocks * BLOCK && x.bias.len() >= blocks * 8);
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let mut acc = [_mm512_setzero_ps(); 8];
+    // SAFETY: every load is inside the slices (asserted above).
+    unsafe {
+        for b in 0..blocks {
+            let dw = _mm512_loadu_ps(scales.as_ptr().add(16 * b));
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*x.d.get_unchecked(b)));
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let w = _mm512_loadu_si512(bytes.as_ptr().add(16 * BLOCK * b + 64 * l) as *const _);
+                let xw = (x.q.as_ptr().add(BLOCK * b + 4 * l) as *const i32).read_unaligned();
+                let bias = _mm512_set1_epi32(*x.bias.get_unchecked(8 * b + l));
+                let lane =
+                    _mm512_dpbusd_epi32(bias, _mm512_xor_si512(w, flip), _mm512_set1_epi32(xw));
+                *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(lane), *acc);
+            }
+        }
+        // `hsum_float_8`: (a[i] + a[i + 4]), then (r0 + r2) + (r1 + r3).
+        let t: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
+        let y = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
+        let mut out = [0.0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), y);
+        out
+    }
+}
+
 /// Weight rows per tile (prefill) and activation pairs per tile.
 const RM: usize = 4;
 const RP: usize = 4;
@@ -414,8 +455,48 @@ pub(super) fn matmul(format: Format, x: &[f32], m: usize, k: usize, w: Weights) 
         m,
         n: w.n,
     };
+    assert!(!w.x16 || (format == Format::Q8_0 && w.n.is_multiple_of(TASK_COLS)));
     let task = |t: usize| {
         let (c0, c1) = (t * TASK_COLS, ((t + 1) * TASK_COLS).min(w.n));
+        if w.x16 {
+            // A task is one X16 group: its sixteen rows' blocks and scales.
+            let bytes = &w.bytes[c0 * k..c1 * k];
+            let scales = &w.scales[c0 * (k / BLOCK)..c1 * (k / BLOCK)];
+            match &acts {
+                Acts::Row(row) => {
+                    // SAFETY: the CPU has the features (asserted above).
+                    let y = unsafe { row_x16(row, bytes, scales) };
+                    // SAFETY: the task writes only its columns c0..c1 of `y` (m = 1).
+                    unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), out.ptr.add(c0), 16) };
+                }
+                Acts::Pairs(pairs) => {
+                    // Prefill reads rows: put the group's back in order (a copy of 16 rows,
+                    // small beside the products of all the activation rows).
+                    let plain = crate::packed::deinterleave_x16(
+                        bytemuck::cast_slice::<u8, u32>(bytes),
+                        16,
+                        k / BLOCK,
+                        8,
+                    );
+                    let plain_scales = crate::packed::deinterleave_x16(scales, 16, k / BLOCK, 1);
+                    let local = Weights {
+                        bytes: bytemuck::cast_slice(&plain),
+                        scales: &plain_scales,
+                        mins: &[],
+                        n: 16,
+                        x16: false,
+                    };
+                    // Columns 0..16 of the group land at c0.. of the output.
+                    // SAFETY: as below; `ptr + c0` stays inside `y` for every row it writes.
+                    let shifted = Out {
+                        ptr: unsafe { out.ptr.add(c0) },
+                        ..out
+                    };
+                    unsafe { columns::<0>(pairs, &local, 0, 16, shifted) };
+                }
+            }
+            return;
+        }
         // SAFETY: the CPU has the features (asserted above); tiles stay inside the operands
         // (asserted in the tiles) and each task writes only its columns c0..c1 of `y`.
         unsafe {
@@ -552,6 +633,7 @@ mod tests {
                         scales: &scales,
                         mins: &mins,
                         n,
+                        x16: false,
                     };
                     for m in 1..=9 {
                         let x: Vec<f32> = (0..m * k)
@@ -585,6 +667,53 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Q8_0 in the X16 layout: decode (`row_x16`) and prefill (the group's rows put back in
+    /// order) give the file layout's bits, for m = 1..=5 and two groups.
+    #[test]
+    fn x16_q8_0_matmul_is_bit_identical_to_the_rows() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI on this CPU: nothing to compare");
+            return;
+        }
+        let mut next = rng(13);
+        let n = 32;
+        for blocks in [1usize, 18] {
+            let k = blocks * BLOCK;
+            let bytes: Vec<u8> = (0..n * k).map(|_| next() as u8).collect();
+            let scales: Vec<f32> = (0..n * blocks)
+                .map(|_| f16::from_f32(next() as f32 / u32::MAX as f32 * 0.1).to_f32())
+                .collect();
+            let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
+            let x16_words = crate::packed::interleave_x16(&words, n, blocks, 8);
+            let x16_scales = crate::packed::interleave_x16(&scales, n, blocks, 1);
+            let rows = Weights {
+                bytes: &bytes,
+                scales: &scales,
+                mins: &[],
+                n,
+                x16: false,
+            };
+            let x16 = Weights {
+                bytes: bytemuck::cast_slice(&x16_words),
+                scales: &x16_scales,
+                x16: true,
+                ..rows
+            };
+            for m in 1..=5 {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|_| next() as f32 / u32::MAX as f32 * 4.0 - 2.0)
+                    .collect();
+                let want = matmul(Format::Q8_0, &x, m, k, rows);
+                let got = matmul(Format::Q8_0, &x, m, k, x16);
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "m={m} k={k}"
+                );
             }
         }
     }
