@@ -356,25 +356,41 @@ pub fn interleave_x16<T: Copy + Default>(
 ) -> Vec<T> {
     assert!(rows.is_multiple_of(16) && data.len() == rows * units * width);
     let mut out = vec![T::default(); data.len()];
-    for r in 0..rows {
-        for i in 0..units {
-            for k in 0..width {
-                out[x16_at(r, i, k, units, width)] = data[(r * units + i) * width + k];
+    let group = 16 * units * width;
+    for (src, dst) in data.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+        for r in 0..16 {
+            for i in 0..units {
+                for k in 0..width {
+                    dst[(i * width + k) * 16 + r] = src[(r * units + i) * width + k];
+                }
             }
         }
     }
     out
 }
 
-/// The inverse of [`interleave_x16`].
-pub fn deinterleave_x16<T: Copy>(data: &[T], rows: usize, units: usize, width: usize) -> Vec<T> {
+/// The inverse of [`interleave_x16`]. (Plain nested loops: the CPU's prefill puts a group's
+/// rows back in order per matmul task, so this runs often.)
+pub fn deinterleave_x16<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    units: usize,
+    width: usize,
+) -> Vec<T> {
     assert!(rows.is_multiple_of(16) && data.len() == rows * units * width);
-    (0..rows * units * width)
-        .map(|at| {
-            let (r, i, k) = (at / (units * width), at / width % units, at % width);
-            data[x16_at(r, i, k, units, width)]
-        })
-        .collect()
+    let mut out = vec![T::default(); data.len()];
+    let group = 16 * units * width;
+    for (src, dst) in data.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+        for i in 0..units {
+            for k in 0..width {
+                let at = (i * width + k) * 16;
+                for r in 0..16 {
+                    dst[(r * units + i) * width + k] = src[at + r];
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Row `r`'s words (and, for a split type, its block scales) in the file's order, from a

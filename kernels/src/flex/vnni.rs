@@ -434,6 +434,46 @@ unsafe fn row_x16(x: &Row, bytes: &[u8], scales: &[f32]) -> [f32; 16] {
     }
 }
 
+/// `row_x16` for activation pair `p` (prefill): the same operations per output as `tile_pairs`
+/// (`fma(d_w · d_x, lane, acc)` per block, then `hsum_float_8`), sixteen outputs per register
+/// and eight registers per activation row, each weight word loaded once for both rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn pair_x16(x: &Pairs, p: usize, bytes: &[u8], scales: &[f32]) -> [[f32; 16]; 2] {
+    let blocks = x.blocks;
+    assert!(bytes.len() >= blocks * 16 * BLOCK && scales.len() >= blocks * 16);
+    let xs = &x.data[p * blocks..(p + 1) * blocks];
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let mut acc = [[_mm512_setzero_ps(); 8]; 2];
+    // SAFETY: every load is inside the slices (asserted above; `PairBlock`'s arrays are read
+    // at fixed offsets within their sizes).
+    unsafe {
+        for (b, blk) in xs.iter().enumerate() {
+            let dw = _mm512_loadu_ps(scales.as_ptr().add(16 * b));
+            let mut w = [_mm512_setzero_si512(); 8];
+            for (l, w) in w.iter_mut().enumerate() {
+                let v = _mm512_loadu_si512(bytes.as_ptr().add(16 * BLOCK * b + 64 * l) as *const _);
+                *w = _mm512_xor_si512(v, flip);
+            }
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(blk.d[8 * h]));
+                for l in 0..8 {
+                    let xw = (blk.q.as_ptr().add(32 * h + 4 * l) as *const i32).read_unaligned();
+                    let bias = _mm512_set1_epi32(blk.bias[8 * h + l]);
+                    let lane = _mm512_dpbusd_epi32(bias, w[l], _mm512_set1_epi32(xw));
+                    acc[l] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(lane), acc[l]);
+                }
+            }
+        }
+        let mut out = [[0.0f32; 16]; 2];
+        for (acc, out) in acc.iter().zip(out.iter_mut()) {
+            let t: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
+            let y = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
+            _mm512_storeu_ps(out.as_mut_ptr(), y);
+        }
+        out
+    }
+}
+
 /// Weight rows per tile (prefill) and activation pairs per tile.
 const RM: usize = 4;
 const RP: usize = 4;
@@ -470,29 +510,23 @@ pub(super) fn matmul(format: Format, x: &[f32], m: usize, k: usize, w: Weights) 
                     unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), out.ptr.add(c0), 16) };
                 }
                 Acts::Pairs(pairs) => {
-                    // Prefill reads rows: put the group's back in order (a copy of 16 rows,
-                    // small beside the products of all the activation rows).
-                    let plain = crate::packed::deinterleave_x16(
-                        bytemuck::cast_slice::<u8, u32>(bytes),
-                        16,
-                        k / BLOCK,
-                        8,
-                    );
-                    let plain_scales = crate::packed::deinterleave_x16(scales, 16, k / BLOCK, 1);
-                    let local = Weights {
-                        bytes: bytemuck::cast_slice(&plain),
-                        scales: &plain_scales,
-                        mins: &[],
-                        n: 16,
-                        x16: false,
-                    };
-                    // Columns 0..16 of the group land at c0.. of the output.
-                    // SAFETY: as below; `ptr + c0` stays inside `y` for every row it writes.
-                    let shifted = Out {
-                        ptr: unsafe { out.ptr.add(c0) },
-                        ..out
-                    };
-                    unsafe { columns::<0>(pairs, &local, 0, 16, shifted) };
+                    for p in 0..pairs.data.len() / pairs.blocks {
+                        // SAFETY: the CPU has the features (asserted above).
+                        let y = unsafe { pair_x16(pairs, p, bytes, scales) };
+                        for (h, y) in y.iter().enumerate() {
+                            let i = 2 * p + h;
+                            if i < m {
+                                // SAFETY: row i's columns c0..c1 of `y`: this task's alone.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        y.as_ptr(),
+                                        out.ptr.add(i * out.n + c0),
+                                        16,
+                                    )
+                                };
+                            }
+                        }
+                    }
                 }
             }
             return;
@@ -671,8 +705,8 @@ mod tests {
         }
     }
 
-    /// Q8_0 in the X16 layout: decode (`row_x16`) and prefill (the group's rows put back in
-    /// order) give the file layout's bits, for m = 1..=5 and two groups.
+    /// Q8_0 in the X16 layout: decode (`row_x16`) and prefill (`pair_x16`) give the file
+    /// layout's bits, for m = 1..=5 and two groups.
     #[test]
     fn x16_q8_0_matmul_is_bit_identical_to_the_rows() {
         if !available() {
@@ -715,6 +749,58 @@ mod tests {
                     "m={m} k={k}"
                 );
             }
+        }
+    }
+
+    /// Not a test: decode bandwidth of a Q8_0 matrix in rows and in X16, 64 MB (past the
+    /// caches) and 4 MB (in them). `cargo test --release -p toy-kernels --lib q8_0_decode_bandwidth
+    /// -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn q8_0_decode_bandwidth() {
+        if !available() {
+            return;
+        }
+        let mut next = rng(3);
+        for (n, k) in [(32768usize, 2048usize), (2048, 2048), (49152, 576)] {
+            let blocks = k / BLOCK;
+            let bytes: Vec<u8> = (0..n * k).map(|_| next() as u8).collect();
+            let scales: Vec<f32> = (0..n * blocks).map(|_| 0.01).collect();
+            let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
+            let x16_words = crate::packed::interleave_x16(&words, n, blocks, 8);
+            let x16_scales = crate::packed::interleave_x16(&scales, n, blocks, 1);
+            let rows = Weights {
+                bytes: &bytes,
+                scales: &scales,
+                mins: &[],
+                n,
+                x16: false,
+            };
+            let x16 = Weights {
+                bytes: bytemuck::cast_slice(&x16_words),
+                scales: &x16_scales,
+                x16: true,
+                ..rows
+            };
+            let x: Vec<f32> = (0..k)
+                .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+                .collect();
+            let mut best = [f64::MAX; 2];
+            for _ in 0..5 {
+                for (i, w) in [rows, x16].into_iter().enumerate() {
+                    let t = std::time::Instant::now();
+                    for _ in 0..10 {
+                        std::hint::black_box(matmul(Format::Q8_0, &x, 1, k, w));
+                    }
+                    best[i] = best[i].min(t.elapsed().as_secs_f64() / 10.0);
+                }
+            }
+            let mb = (n * k) as f64 * 34.0 / 32.0;
+            eprintln!(
+                "{n} × {k}: rows {:.1} GB/s, X16 {:.1} GB/s",
+                mb / best[0] / 1e9,
+                mb / best[1] / 1e9
+            );
         }
     }
 }
