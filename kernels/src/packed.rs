@@ -267,22 +267,34 @@ fn x16_unit(ty: GgmlType) -> (usize, usize) {
     }
 }
 
-/// A weight's words `[rows, row_words]` in `layout` (from the file's row order).
+/// A weight's words `[rows, row_words]` in `layout` (from the file's row order), rearranged in
+/// place one group of rows at a time: at load no second copy of the weight exists, only of a
+/// group (a whole copy freed afterwards would stay in the process's heap, and in its peak RSS).
 pub fn interleave_rows(
     layout: RowLayout,
     ty: GgmlType,
-    words: &[u32],
+    mut words: Vec<u32>,
     rows: usize,
     cols: usize,
 ) -> Vec<u32> {
-    match layout {
-        RowLayout::Rows => words.to_vec(),
-        RowLayout::X8 => interleave_q4k_x8(words, rows, cols / QK_K),
-        RowLayout::X16 => {
-            let (values, width) = x16_unit(ty);
-            interleave_x16(words, rows, cols / values, width)
-        }
+    let group_rows = match layout {
+        RowLayout::Rows => return words,
+        RowLayout::X8 => 8,
+        RowLayout::X16 => 16,
+    };
+    assert!(rows.is_multiple_of(group_rows) && words.len().is_multiple_of(rows));
+    let group = words.len() / rows * group_rows;
+    for chunk in words.chunks_exact_mut(group) {
+        let rearranged = match layout {
+            RowLayout::X8 => interleave_q4k_x8(chunk, 8, cols / QK_K),
+            _ => {
+                let (values, width) = x16_unit(ty);
+                interleave_x16(chunk, 16, cols / values, width)
+            }
+        };
+        chunk.copy_from_slice(&rearranged);
     }
+    words
 }
 
 /// A weight's words in `layout` put back in the file's row order (the inverse of
@@ -304,13 +316,22 @@ pub fn deinterleave_rows(
     }
 }
 
-/// A split weight's f32 block scales `[rows, cols / 32]` in `layout` (Q4_0 in X16: transposed
-/// per block as its words are; otherwise as they are).
-pub fn interleave_scales(layout: RowLayout, scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    match layout {
-        RowLayout::X16 => interleave_x16(scales, rows, cols / BLOCK, 1),
-        _ => scales.to_vec(),
+/// A split weight's f32 block scales `[rows, cols / 32]` in `layout` (Q4_0 and Q8_0 in X16:
+/// transposed per block as their words are, in place; otherwise as they are).
+pub fn interleave_scales(
+    layout: RowLayout,
+    mut scales: Vec<f32>,
+    rows: usize,
+    cols: usize,
+) -> Vec<f32> {
+    if layout == RowLayout::X16 {
+        assert!(rows.is_multiple_of(16));
+        for chunk in scales.chunks_exact_mut(16 * (cols / BLOCK)) {
+            let rearranged = interleave_x16(chunk, 16, cols / BLOCK, 1);
+            chunk.copy_from_slice(&rearranged);
+        }
     }
+    scales
 }
 
 /// The inverse of [`interleave_scales`].
@@ -625,8 +646,8 @@ mod tests {
             })
             .collect();
         let p = pack(GgmlType::Q4_0, &bytes, rows, cols).unwrap();
-        let words = interleave_rows(RowLayout::X16, p.ty, &p.words, rows, cols);
-        let scales = interleave_scales(RowLayout::X16, p.scales.as_ref().unwrap(), rows, cols);
+        let words = interleave_rows(RowLayout::X16, p.ty, p.words.clone(), rows, cols);
+        let scales = interleave_scales(RowLayout::X16, p.scales.clone().unwrap(), rows, cols);
         assert_ne!(words, p.words);
         assert_eq!(
             deinterleave_rows(RowLayout::X16, p.ty, &words, rows, cols),

@@ -428,9 +428,9 @@ fn interleaved_layouts_give_the_file_layouts_bits() {
             repackable: true,
             ..packed_tensor::<B>(&p, &d)
         };
-        let words = interleave_rows(layout, ty, &p.words, n, k);
+        let words = interleave_rows(layout, ty, p.words.clone(), n, k);
         let scales = p.scales.as_ref().map(|s| {
-            float::<B, 2>(interleave_scales(layout, s, n, k), [n, k / 32], &d)
+            float::<B, 2>(interleave_scales(layout, s.clone(), n, k), [n, k / 32], &d)
                 .into_primitive()
                 .tensor()
         });

@@ -47,16 +47,11 @@ impl<B: ToyBackend> PackedMatrix<B> {
             packed.cols,
             repackable,
         );
-        let words = match layout {
-            RowLayout::Rows => packed.words,
-            _ => interleave_rows(layout, packed.ty, &packed.words, packed.rows, packed.cols),
-        };
-        let scales = match layout {
-            RowLayout::Rows => packed.scales,
-            _ => packed
-                .scales
-                .map(|s| interleave_scales(layout, &s, packed.rows, packed.cols)),
-        };
+        let (rows, cols) = (packed.rows, packed.cols);
+        let words = interleave_rows(layout, packed.ty, packed.words, rows, cols);
+        let scales = packed
+            .scales
+            .map(|s| interleave_scales(layout, s, rows, cols));
         let words = Tensor::from_data(
             TensorData::new(words, [packed.rows, per_row]),
             (device, DType::U32),
