@@ -460,7 +460,10 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
     let x16 = w.layout == RowLayout::X16 && x16_kernels();
     let needs_rows = match w.layout {
         RowLayout::Rows => false,
-        RowLayout::X8 => forms.iter().any(|&f| f != Form::Gemv),
+        // (The eight-row kernel is AVX2's: below that, every form reads rows.)
+        RowLayout::X8 => {
+            super::cpu_level() < super::CpuLevel::Avx2 || forms.iter().any(|&f| f != Form::Gemv)
+        }
         RowLayout::X16 => !x16 || forms.iter().any(|&f| !matches!(f, Form::Gemm | Form::Gemv)),
     };
     let mut out_t = vec![0.0f32; n * m];
