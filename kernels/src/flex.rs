@@ -87,6 +87,12 @@ pub fn cpu_level() -> CpuLevel {
     })
 }
 
+/// Whether the kernels that read the X16 layout (`packed::RowLayout::X16`: `blocks_vnni`,
+/// `vnni::row_x16`/`pair_x16`) run on this CPU: AVX-512 F/BW/VL/VNNI, so `Avx512`.
+pub(crate) fn x16_kernels() -> bool {
+    cfg!(target_arch = "x86_64") && cpu_level() >= CpuLevel::Avx512
+}
+
 fn detect_cpu_level() -> CpuLevel {
     #[cfg(target_arch = "x86_64")]
     {
@@ -222,9 +228,9 @@ impl ToyBackend for Flex {
     fn row_layout() -> crate::packed::RowLayout {
         use crate::packed::RowLayout;
         match cpu_level() {
-            CpuLevel::Avx512 => RowLayout::X16,
-            CpuLevel::Avx2 => RowLayout::X8,
-            _ => RowLayout::Rows,
+            _ if x16_kernels() => RowLayout::X16,
+            CpuLevel::Avx2 | CpuLevel::Avx512 => RowLayout::X8,
+            CpuLevel::Scalar => RowLayout::Rows,
         }
     }
 

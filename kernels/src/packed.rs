@@ -375,28 +375,28 @@ pub fn interleave_x16<T: Copy + Default>(
     units: usize,
     width: usize,
 ) -> Vec<T> {
-    assert!(rows.is_multiple_of(16) && data.len() == rows * units * width);
-    let mut out = vec![T::default(); data.len()];
-    let group = 16 * units * width;
-    for (src, dst) in data.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
-        for r in 0..16 {
-            for i in 0..units {
-                for k in 0..width {
-                    dst[(i * width + k) * 16 + r] = src[(r * units + i) * width + k];
-                }
-            }
-        }
-    }
-    out
+    regroup_x16(data, rows, units, width, true)
 }
 
-/// The inverse of [`interleave_x16`]. (Plain nested loops: the CPU's prefill puts a group's
-/// rows back in order per matmul task, so this runs often.)
+/// The inverse of [`interleave_x16`].
 pub fn deinterleave_x16<T: Copy + Default>(
     data: &[T],
     rows: usize,
     units: usize,
     width: usize,
+) -> Vec<T> {
+    regroup_x16(data, rows, units, width, false)
+}
+
+/// Element `(r, i, k)` of each group of sixteen rows moved between its row-order place
+/// `(r·units + i)·width + k` and its X16 place `(i·width + k)·16 + r`, one way or the other.
+/// Plain nested loops, sixteen contiguous X16 elements innermost (no division per element).
+fn regroup_x16<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    units: usize,
+    width: usize,
+    to_x16: bool,
 ) -> Vec<T> {
     assert!(rows.is_multiple_of(16) && data.len() == rows * units * width);
     let mut out = vec![T::default(); data.len()];
@@ -404,9 +404,12 @@ pub fn deinterleave_x16<T: Copy + Default>(
     for (src, dst) in data.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
         for i in 0..units {
             for k in 0..width {
-                let at = (i * width + k) * 16;
                 for r in 0..16 {
-                    dst[(r * units + i) * width + k] = src[at + r];
+                    let (row_at, x16_at) = ((r * units + i) * width + k, (i * width + k) * 16 + r);
+                    match to_x16 {
+                        true => dst[x16_at] = src[row_at],
+                        false => dst[row_at] = src[x16_at],
+                    }
                 }
             }
         }

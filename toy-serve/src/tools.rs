@@ -569,13 +569,7 @@ mod tests {
             out
         };
         for step in 1..8 {
-            let mut s = CallSplitter::new(H);
-            let mut pieces = Vec::new();
-            let chars: Vec<char> = text.chars().collect();
-            for chunk in chars.chunks(step) {
-                pieces.extend(s.push(&chunk.iter().collect::<String>()));
-            }
-            pieces.extend(s.finish());
+            let pieces = stream_in_steps(text, H, step);
             assert_eq!(flatten(pieces), flatten(whole.clone()), "step {step}");
         }
         assert_eq!(
@@ -694,20 +688,25 @@ mod tests {
         ]
     }
 
+    /// What a `CallSplitter` gives for `text` pushed `step` characters at a time.
+    fn stream_in_steps(text: &str, syntax: Syntax, step: usize) -> Vec<Piece> {
+        let mut s = CallSplitter::new(syntax);
+        let chars: Vec<char> = text.chars().collect();
+        let mut pieces: Vec<Piece> = chars
+            .chunks(step)
+            .flat_map(|chunk| s.push(&chunk.iter().collect::<String>()))
+            .collect();
+        pieces.extend(s.finish());
+        pieces
+    }
+
     /// Streamed in pieces of every size up to `max`, `text` splits into this text and these calls.
     fn split_in_pieces(text: &str, syntax: Syntax, max: usize) -> Vec<(String, Vec<ToolCall>)> {
         (1..=max)
             .map(|step| {
-                let mut s = CallSplitter::new(syntax);
-                let mut pieces = Vec::new();
-                let chars: Vec<char> = text.chars().collect();
-                for chunk in chars.chunks(step) {
-                    pieces.extend(s.push(&chunk.iter().collect::<String>()));
-                }
-                pieces.extend(s.finish());
                 let mut texts = String::new();
                 let mut calls = Vec::new();
-                for p in pieces {
+                for p in stream_in_steps(text, syntax, step) {
                     match p {
                         Piece::Text(t) => texts.push_str(&t),
                         Piece::Call(c) => calls.push(c),

@@ -348,15 +348,10 @@ fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Optio
     None
 }
 
-/// Whether this CPU has the sixteen-row Q4_K kernels that read the X16 layout (AVX-512 VNNI).
-fn x16_kernels() -> bool {
-    cfg!(target_arch = "x86_64") && super::cpu_level() >= super::CpuLevel::Avx512
-}
-
 /// One task of a Q4_K weight in the X16 layout (`w`: its group of sixteen rows, as stored):
 /// every activation row in its form — four `Gemm` rows per call where they come in fours, one
 /// otherwise, and `Gemv` rows one at a time — into `cols` (column `c`'s `m` values at `c·m`).
-/// Only called where `x16_kernels()`.
+/// Only called where `flex::x16_kernels()`.
 fn q4k_x16_task(w: &[u8], acts: &[ActRow], forms: &[Form], cols: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -369,7 +364,7 @@ fn q4k_x16_task(w: &[u8], acts: &[ActRow], forms: &[Form], cols: &mut [f32]) {
         let mut put = |i: usize, y: &[f32; 16]| (0..16).for_each(|c| cols[c * m + i] = y[c]);
         let mut i = 0;
         while i < m {
-            // SAFETY (each call): the CPU has AVX-512 F/BW/VL/VNNI (`x16_kernels`).
+            // SAFETY (each call): the CPU has AVX-512 F/BW/VL/VNNI (`flex::x16_kernels`).
             if i + 4 <= m && forms[i..i + 4].iter().all(|&f| f == Form::Gemm) {
                 let y = unsafe { gemm_q4_k_x16::<4>(w, std::array::from_fn(|a| q8k(i + a))) };
                 y.iter().enumerate().for_each(|(a, y)| put(i + a, y));
@@ -457,7 +452,7 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
     // eight-row decode kernel reads each X8 group so; the other forms read rows, which each
     // task puts back in order first (a copy of its 16 rows, small beside the arithmetic of
     // several rows).
-    let x16 = w.layout == RowLayout::X16 && x16_kernels();
+    let x16 = w.layout == RowLayout::X16 && super::x16_kernels();
     let needs_rows = match w.layout {
         RowLayout::Rows => false,
         // (The eight-row kernel is AVX2's: below that, every form reads rows.)

@@ -16,7 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::Q8K;
-use super::blocks_avx2::{f16c_at, hsum_float_8, hsum_i32_8, load128, q6k_values};
+use super::blocks_avx2::{f16c_at, hsum_float_8, load128, q6k_values};
 use super::qmatmul::QuantRow;
 use crate::packed::BLOCK;
 
@@ -373,6 +373,25 @@ fn broadcast4(q: &[i8]) -> __m512i {
     _mm512_set1_epi32(unsafe { (q.as_ptr() as *const i32).read_unaligned() })
 }
 
+/// An activation row as `gemm_q4_0_x16` reads it: its Q8_0 blocks and, per block, `−8·Σq`
+/// (what Q4_0's unsigned nibbles owe their offset), formed once per matmul instead of once per
+/// group of sixteen weight rows.
+pub(super) struct Q40Row<'a> {
+    pub(super) row: &'a QuantRow,
+    offsets: Vec<i32>,
+}
+
+impl<'a> Q40Row<'a> {
+    pub(super) fn new(row: &'a QuantRow) -> Self {
+        let offsets = row
+            .quants
+            .chunks_exact(BLOCK)
+            .map(|b| -8 * b.iter().map(|&q| q as i32).sum::<i32>())
+            .collect();
+        Q40Row { row, offsets }
+    }
+}
+
 /// Bytes of a block of sixteen Q4_0 rows' nibbles in the X16 layout (`packed::interleave_x16`:
 /// per 4-byte group, the rows' four bytes each; the rows' sixteen scales lie apart).
 pub(super) const Q40_X16_BLOCK: usize = 256;
@@ -381,39 +400,29 @@ pub(super) const Q40_X16_BLOCK: usize = 256;
 /// same float steps) for the sixteen rows of an X16 group — `qs`: its nibble blocks, `d`: its
 /// scales, sixteen per block — against `A` activation rows, each output in a lane of its own:
 /// per block, `vpdpbusd` adds the unsigned nibbles times broadcast activation groups onto
-/// `−8·Σx` (so the lane is the exact block sum `Σ (q − 8)·x`), then
+/// `−8·Σx` (`Q40Row`; so the lane is the exact block sum `Σ (q − 8)·x`), then
 /// `acc = fma(isum, d_w·d_x, acc)`: the specification's integers and float steps, so its bits.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) fn gemm_q4_0_x16<const A: usize>(
     qs: &[u8],
     d: &[f32],
-    x: [&QuantRow; A],
+    x: [&Q40Row<'_>; A],
 ) -> [[f32; 16]; A] {
     let nb = qs.len() / Q40_X16_BLOCK;
     assert!(d.len() >= 16 * nb);
-    assert!(
-        x.iter()
-            .all(|x| x.quants.len() >= BLOCK * nb && x.scales.len() >= nb)
-    );
+    assert!(x.iter().all(|x| {
+        x.row.quants.len() >= BLOCK * nb && x.row.scales.len() >= nb && x.offsets.len() >= nb
+    }));
     let m4 = _mm512_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi8(1);
     let mut acc = [_mm512_setzero_ps(); A];
     for i in 0..nb {
-        let mut isum = [_mm512_setzero_si512(); A];
-        for a in 0..A {
-            // SAFETY: block i's 32 activations are in `quants` (asserted above).
-            let y = unsafe {
-                _mm256_loadu_si256(x[a].quants.as_ptr().add(BLOCK * i) as *const __m256i)
-            };
-            let total = hsum_i32_8(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, y));
-            isum[a] = _mm512_set1_epi32(-8 * total);
-        }
+        let mut isum: [__m512i; A] = std::array::from_fn(|a| _mm512_set1_epi32(x[a].offsets[i]));
         for g in 0..4 {
             let wq = load_at(qs, Q40_X16_BLOCK * i + 64 * g);
             let lo = _mm512_and_si512(wq, m4);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wq), m4);
             for a in 0..A {
-                let q = &x[a].quants[BLOCK * i..BLOCK * i + BLOCK];
+                let q = &x[a].row.quants[BLOCK * i..BLOCK * i + BLOCK];
                 isum[a] = _mm512_dpbusd_epi32(isum[a], lo, broadcast4(&q[4 * g..]));
                 isum[a] = _mm512_dpbusd_epi32(isum[a], hi, broadcast4(&q[16 + 4 * g..]));
             }
@@ -421,7 +430,7 @@ pub(super) fn gemm_q4_0_x16<const A: usize>(
         // SAFETY: 16 scales at 16·i + 16 ≤ d.len() (asserted above).
         let dw = unsafe { _mm512_loadu_ps(d.as_ptr().add(16 * i)) };
         for a in 0..A {
-            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(x[a].scales[i]));
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(x[a].row.scales[i]));
             acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[a]), scale, acc[a]);
         }
     }

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::*;
-use crate::packed::{GgmlType, RowLayout, row_words};
+use crate::packed::{GgmlType, RowLayout, is_split, row_words};
 
 /// An activation row quantized to 8-bit blocks (ggml's Q8_0 / Q8_1).
 pub(super) struct QuantRow {
@@ -437,22 +437,29 @@ impl Operands {
     pub(super) fn run(self) -> FlexTensor {
         let x = self.x.as_slice::<f32>().expect("checked in Operands::new");
         let w = self.w.view();
-        let out = match w.ty {
-            GgmlType::Q8_0 => split_matmul(Format::Q8_0, x, self.m, &w),
-            GgmlType::Q4_0 if blocks::repacked(w.ty, w.rows, self.repackable) => {
-                q4_0_repacked(x, self.m, &w)
-            }
-            GgmlType::Q4_0 if w.layout != RowLayout::Rows => {
-                // An X16 weight made a token embedding table (`with_repackable`): rows again.
-                let (words, scales) = crate::packed::deinterleaved_host(&w);
-                let plain = HostPackedView {
-                    words: &words,
-                    scales: &scales,
+        let repacked_q4_0 =
+            w.ty == GgmlType::Q4_0 && blocks::repacked(w.ty, w.rows, self.repackable);
+        // A split weight in the X16 layout is read as it lies by the sixteen-row kernels of
+        // Q8_0 and of repacked Q4_0; anywhere else (AVX-512 turned off, a Q4_0 weight made a
+        // token table) its rows are put back in order first. (Blocks-layout types: per task,
+        // in `blocks::matmul`.)
+        let plain;
+        let x16_read = super::x16_kernels() && (w.ty == GgmlType::Q8_0 || repacked_q4_0);
+        let w = match is_split(w.ty) && w.layout != RowLayout::Rows && !x16_read {
+            true => {
+                plain = crate::packed::deinterleaved_host(&w);
+                HostPackedView {
+                    words: &plain.0,
+                    scales: &plain.1,
                     layout: RowLayout::Rows,
                     ..w
-                };
-                split_matmul(Format::Q4_0, x, self.m, &plain)
+                }
             }
+            false => w,
+        };
+        let out = match w.ty {
+            GgmlType::Q8_0 => split_matmul(Format::Q8_0, x, self.m, &w),
+            GgmlType::Q4_0 if repacked_q4_0 => q4_0_repacked(x, self.m, &w),
             GgmlType::Q4_0 => split_matmul(Format::Q4_0, x, self.m, &w),
             GgmlType::Q4_1 => split_matmul(Format::Q4_1, x, self.m, &w),
             _ => blocks::matmul(x, self.m, &w, self.repackable),
@@ -492,17 +499,11 @@ fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> 
         };
         return vnni::matmul(format, x, m, k, w);
     }
-    if w.layout != RowLayout::Rows {
-        // An X16 weight read where its kernels are not (AVX-512 turned off): rows again.
-        let (words, scales) = crate::packed::deinterleaved_host(w);
-        let plain = HostPackedView {
-            words: &words,
-            scales: &scales,
-            layout: RowLayout::Rows,
-            ..*w
-        };
-        return split_matmul(format, x, m, &plain);
-    }
+    debug_assert_eq!(
+        w.layout,
+        RowLayout::Rows,
+        "put back in order by `Operands::run`"
+    );
     let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
     let row_bytes = bytes.len() / n;
     let blocks = k / BLOCK;
@@ -574,19 +575,8 @@ fn split_matmul(format: Format, x: &[f32], m: usize, w: &HostPackedView<'_>) -> 
 /// Q4_0 as llama.cpp's repacked `q4_0_8x8` kernels compute it (see `blocks::dot_repacked_32`).
 fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
     let (k, n) = (w.cols, w.rows);
-    // The X16 layout is read by the sixteen-row kernels (AVX-512 VNNI); elsewhere (a weight
-    // stored on such a CPU, read with its AVX-512 turned off) put back in row order first.
+    // X16 only where its kernels run (`Operands::run` put other weights back in order).
     let x16 = w.layout == RowLayout::X16;
-    if x16 && !(cfg!(target_arch = "x86_64") && cpu_level() >= CpuLevel::Avx512) {
-        let (words, scales) = crate::packed::deinterleaved_host(w);
-        let plain = HostPackedView {
-            words: &words,
-            scales: &scales,
-            layout: RowLayout::Rows,
-            ..*w
-        };
-        return q4_0_repacked(x, m, &plain);
-    }
     let bytes: &[u8] = bytemuck::cast_slice(w.words);
     let (nb, row_bytes) = (k / BLOCK, k / 2);
     let rows: Vec<QuantRow> = x.par_chunks_exact(k).map(quantize_row).collect();
@@ -638,6 +628,11 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
     // 0); sixteen in the X16 layout, each output in a 32-bit lane of its own
     // (`blocks_vnni::gemm_q4_0_x16`).
     let width = if x16 { 16 } else { 8 };
+    #[cfg(target_arch = "x86_64")]
+    let x16_rows: Vec<blocks_vnni::Q40Row> = match x16 {
+        true => rows.iter().map(blocks_vnni::Q40Row::new).collect(),
+        false => Vec::new(),
+    };
     out_t
         .par_chunks_mut(width * m)
         .enumerate()
@@ -649,17 +644,18 @@ fn q4_0_repacked(x: &[f32], m: usize, w: &HostPackedView<'_>) -> Vec<f32> {
                 let mut put =
                     |i: usize, y: &[f32; 16]| (0..16).for_each(|r| cols[r * m + i] = y[r]);
                 let mut i = 0;
-                // SAFETY (each call): the CPU has AVX-512 F/BW/VL/VNNI (checked above).
+                // SAFETY (each call): the CPU has AVX-512 F/BW/VL/VNNI (an X16 weight reaches
+                // here only then: `Operands::run`).
                 while i + 4 <= m {
-                    let x = std::array::from_fn(|a| &rows[i + a]);
+                    let x = std::array::from_fn(|a| &x16_rows[i + a]);
                     let y = unsafe { blocks_vnni::gemm_q4_0_x16::<4>(qs, d, x) };
                     y.iter().enumerate().for_each(|(a, y)| put(i + a, y));
                     i += 4;
                 }
-                for i in i..m {
+                for (i, row) in x16_rows.iter().enumerate().skip(i) {
                     put(
                         i,
-                        &unsafe { blocks_vnni::gemm_q4_0_x16::<1>(qs, d, [&rows[i]]) }[0],
+                        &unsafe { blocks_vnni::gemm_q4_0_x16::<1>(qs, d, [row]) }[0],
                     );
                 }
                 return;
@@ -858,13 +854,15 @@ mod tests {
             let qs = crate::packed::interleave_x16(&words, 16, nb, 4);
             let qs: &[u8] = bytemuck::cast_slice(&qs);
             let d = crate::packed::interleave_x16(&s, 16, nb, 1);
+            let acts: Vec<blocks_vnni::Q40Row> =
+                rows.iter().map(blocks_vnni::Q40Row::new).collect();
             // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI (checked above).
             let got = unsafe {
-                blocks_vnni::gemm_q4_0_x16::<4>(qs, &d, std::array::from_fn(|a| &rows[a]))
+                blocks_vnni::gemm_q4_0_x16::<4>(qs, &d, std::array::from_fn(|a| &acts[a]))
             };
-            for (a, row) in rows.iter().enumerate() {
+            for (a, act) in acts.iter().enumerate() {
                 // SAFETY: as above.
-                let one = unsafe { blocks_vnni::gemm_q4_0_x16::<1>(qs, &d, [row]) };
+                let one = unsafe { blocks_vnni::gemm_q4_0_x16::<1>(qs, &d, [act]) };
                 assert_eq!(one[0].map(f32::to_bits), got[a].map(f32::to_bits));
             }
             for (a, row) in rows.iter().enumerate() {

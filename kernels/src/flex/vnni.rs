@@ -425,13 +425,19 @@ unsafe fn row_x16(x: &Row, bytes: &[u8], scales: &[f32]) -> [f32; 16] {
                 *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(lane), *acc);
             }
         }
-        // `hsum_float_8`: (a[i] + a[i + 4]), then (r0 + r2) + (r1 + r3).
-        let t: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
-        let y = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
         let mut out = [0.0f32; 16];
-        _mm512_storeu_ps(out.as_mut_ptr(), y);
+        _mm512_storeu_ps(out.as_mut_ptr(), hsum8_across(&acc));
         out
     }
+}
+
+/// `hsum_float_8` of each lane's eight registers (the X16 kernels keep an output's eight ggml
+/// lanes in eight registers): `(a[i] + a[i + 4])`, then `(r0 + r2) + (r1 + r3)`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+fn hsum8_across(acc: &[__m512; 8]) -> __m512 {
+    let t: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
+    _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]))
 }
 
 /// `row_x16` for activation pair `p` (prefill): the same operations per output as `tile_pairs`
@@ -466,9 +472,7 @@ unsafe fn pair_x16(x: &Pairs, p: usize, bytes: &[u8], scales: &[f32]) -> [[f32; 
         }
         let mut out = [[0.0f32; 16]; 2];
         for (acc, out) in acc.iter().zip(out.iter_mut()) {
-            let t: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
-            let y = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
-            _mm512_storeu_ps(out.as_mut_ptr(), y);
+            _mm512_storeu_ps(out.as_mut_ptr(), hsum8_across(acc));
         }
         out
     }
@@ -705,6 +709,15 @@ mod tests {
         }
     }
 
+    /// A Q8_0 weight's quants and scales in the X16 layout.
+    fn x16_copy(w: &Weights, blocks: usize) -> (Vec<u32>, Vec<f32>) {
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(w.bytes);
+        (
+            crate::packed::interleave_x16(&words, w.n, blocks, 8),
+            crate::packed::interleave_x16(w.scales, w.n, blocks, 1),
+        )
+    }
+
     /// Q8_0 in the X16 layout: decode (`row_x16`) and prefill (`pair_x16`) give the file
     /// layout's bits, for m = 1..=5 and two groups.
     #[test]
@@ -721,9 +734,6 @@ mod tests {
             let scales: Vec<f32> = (0..n * blocks)
                 .map(|_| f16::from_f32(next() as f32 / u32::MAX as f32 * 0.1).to_f32())
                 .collect();
-            let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
-            let x16_words = crate::packed::interleave_x16(&words, n, blocks, 8);
-            let x16_scales = crate::packed::interleave_x16(&scales, n, blocks, 1);
             let rows = Weights {
                 bytes: &bytes,
                 scales: &scales,
@@ -731,6 +741,7 @@ mod tests {
                 n,
                 x16: false,
             };
+            let (x16_words, x16_scales) = x16_copy(&rows, blocks);
             let x16 = Weights {
                 bytes: bytemuck::cast_slice(&x16_words),
                 scales: &x16_scales,
@@ -766,9 +777,6 @@ mod tests {
             let blocks = k / BLOCK;
             let bytes: Vec<u8> = (0..n * k).map(|_| next() as u8).collect();
             let scales: Vec<f32> = (0..n * blocks).map(|_| 0.01).collect();
-            let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
-            let x16_words = crate::packed::interleave_x16(&words, n, blocks, 8);
-            let x16_scales = crate::packed::interleave_x16(&scales, n, blocks, 1);
             let rows = Weights {
                 bytes: &bytes,
                 scales: &scales,
@@ -776,6 +784,7 @@ mod tests {
                 n,
                 x16: false,
             };
+            let (x16_words, x16_scales) = x16_copy(&rows, blocks);
             let x16 = Weights {
                 bytes: bytemuck::cast_slice(&x16_words),
                 scales: &x16_scales,

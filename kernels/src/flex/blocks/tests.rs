@@ -296,7 +296,7 @@ fn avx2_dots_are_bit_identical_to_the_spec() {
 #[ignore]
 fn gemv_bandwidth() {
     use super::super::{blocks_avx2, blocks_vnni};
-    let vnni = x16_kernels();
+    let vnni = super::super::x16_kernels();
     // 75 MB of Q4_K each: far past the caches, as a 1B model's weights are.
     for (rows, sb) in [(65536usize, 8usize), (16384, 32)] {
         let k = sb * QK_K;
@@ -399,7 +399,7 @@ fn gemv_bandwidth() {
 #[test]
 fn sixteen_row_q4_k_kernels_are_bit_identical_to_the_spec() {
     use super::super::blocks_vnni::{gemm_q4_k_x16, gemv_q4_k_x16};
-    if !x16_kernels() {
+    if !super::super::x16_kernels() {
         return;
     }
     let mut next = rng(19);
