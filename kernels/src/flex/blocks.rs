@@ -324,22 +324,30 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
     None
 }
 
-/// Eight outputs — two weight rows against four activation rows of the same form — where a
-/// CPU-specific kernel computes them (the same bits as eight `dot_avx2` calls); `None`
-/// elsewhere. Today: Q5_0 and Q5_1 on CPUs with AVX-512 VNNI.
-fn dot2_rows4(ty: GgmlType, w: [&[u8]; 2], x: [&ActRow; 4], form: Form) -> Option<[[f32; 4]; 2]> {
+/// `2·R` outputs — two weight rows against `R` activation rows of the same form — where a
+/// CPU-specific kernel computes them (the same bits as `2·R` `dot_avx2` calls); `None`
+/// elsewhere. Today: Q5_0 and Q5_1 on CPUs with AVX-512 VNNI, for `R` = 1 (decode) and 4.
+fn dot2_rows<const R: usize>(
+    ty: GgmlType,
+    w: [&[u8]; 2],
+    x: [&ActRow; R],
+    form: Form,
+) -> Option<[[f32; R]; 2]> {
     #[cfg(target_arch = "x86_64")]
     if super::cpu_level() >= super::CpuLevel::Avx512 && form == Form::VecDot {
         use super::blocks32_avx2 as w32;
-        let rows: [&QuantRow; 4] = match x {
-            [ActRow::Q8(a), ActRow::Q8(b), ActRow::Q8(c), ActRow::Q8(d)] => [a, b, c, d],
-            _ => return None,
-        };
-        // SAFETY: the CPU has AVX2, FMA, F16C and AVX-512 F/VL/VNNI (`cpu_level`).
+        if !x.iter().all(|a| matches!(a, ActRow::Q8(_))) {
+            return None;
+        }
+        let rows: [&QuantRow; R] = x.map(|a| match a {
+            ActRow::Q8(q) => q,
+            _ => unreachable!("checked above"),
+        });
+        // SAFETY: the CPU has AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI (`cpu_level`).
         return unsafe {
             match ty {
-                GgmlType::Q5_0 => Some(w32::dot2_q5_rows4_vnni::<false>(w, rows)),
-                GgmlType::Q5_1 => Some(w32::dot2_q5_rows4_vnni::<true>(w, rows)),
+                GgmlType::Q5_0 => Some(w32::dot2_q5_vnni::<false, R>(w, rows)),
+                GgmlType::Q5_1 => Some(w32::dot2_q5_vnni::<true, R>(w, rows)),
                 _ => None,
             }
         };
@@ -521,7 +529,7 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                     let mut i = i0;
                     while i + 4 <= i1 && forms[i..i + 4].iter().all(|&f| f == forms[i]) {
                         let x = [&acts[i], &acts[i + 1], &acts[i + 2], &acts[i + 3]];
-                        let Some(y) = dot2_rows4(ty, pair, x, forms[i]) else {
+                        let Some(y) = dot2_rows(ty, pair, x, forms[i]) else {
                             break 'pairs;
                         };
                         cols[c0 * m + i..c0 * m + i + 4].copy_from_slice(&y[0]);
@@ -529,6 +537,10 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                         i += 4;
                     }
                     for i in i..i1 {
+                        if let Some([[y0], [y1]]) = dot2_rows(ty, pair, [&acts[i]], forms[i]) {
+                            (cols[c0 * m + i], cols[(c0 + 1) * m + i]) = (y0, y1);
+                            continue;
+                        }
                         for (c, w) in [(c0, pair[0]), (c0 + 1, pair[1])] {
                             cols[c * m + i] = dot(ty, w, &acts[i], forms[i], isa);
                         }

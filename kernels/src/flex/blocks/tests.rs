@@ -166,7 +166,7 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
     assert_eq!(checked, 60);
 }
 
-/// The 2 × 4 kernels (AVX-512 VNNI) give each output the specification's bits.
+/// The 2 × 4 and 2 × 1 kernels (AVX-512 VNNI) give each output the specification's bits.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn two_by_four_dots_are_bit_identical_to_the_spec() {
@@ -187,7 +187,7 @@ fn two_by_four_dots_are_bit_identical_to_the_spec() {
                 .map(|_| activation(ty, &random_activations(k, &mut next), form))
                 .collect();
             let rows = [&acts[0], &acts[1], &acts[2], &acts[3]];
-            let got = dot2_rows4(ty, [&w0, &w1], rows, form).expect("a 2 × 4 kernel");
+            let got = dot2_rows(ty, [&w0, &w1], rows, form).expect("a 2 × 4 kernel");
             for (j, w) in [&w0, &w1].into_iter().enumerate() {
                 for r in 0..4 {
                     let want = dot(ty, w, &acts[r], form, GgmlIsa::Avx2);
@@ -196,6 +196,9 @@ fn two_by_four_dots_are_bit_identical_to_the_spec() {
                         want.to_bits(),
                         "{ty} weight row {j}, activation row {r}, {blocks} blocks"
                     );
+                    // The decode form (one activation row) gives the same bits.
+                    let [[one], _] = dot2_rows(ty, [w, &w0], [&acts[r]], form).expect("2 × 1");
+                    assert_eq!(one.to_bits(), want.to_bits(), "{ty} 2 × 1, row {r}");
                     checked += 1;
                 }
             }
