@@ -18,6 +18,9 @@
 //! So a packed weight takes the memory its file takes (the split layout adds 2 bytes per block
 //! for the widened scales); no f32 copy of it is ever made.
 
+mod q5_x16;
+pub(crate) use q5_x16::x16_offsets as q5_x16_offsets;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use half::f16;
@@ -209,8 +212,8 @@ pub fn row_bytes(ty: GgmlType, cols: usize, words: &[u32], r: usize) -> &[u8] {
 /// Super-blocks per chunk of the interleaved Q4_K layout ([`interleave_q4k_x8`]).
 pub const Q4K_X8_CHUNK: usize = 16;
 
-/// How a backend lays out the rows of a Q4_K, Q4_0 or Q8_0 weight (the CPU's decode reads them
-/// sixteen rows at a time). Each interleaved layout is a permutation of the packed words (and,
+/// How a backend lays out the rows of a Q4_K, Q4_0, Q8_0, Q5_0 or Q5_1 weight (the CPU's
+/// decode reads them sixteen rows at a time). Each interleaved layout is a permutation of the packed words (and,
 /// for the split types, of the f32 scales) — no byte more — made once at load; [`gguf_row`]
 /// reads any.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -221,16 +224,17 @@ pub enum RowLayout {
     /// Q4_K: eight rows interleaved by chunks of super-blocks ([`interleave_q4k_x8`]): the
     /// AVX2 eight-row kernel reads a group as one stream.
     X8,
-    /// Q4_K, Q4_0, Q8_0: sixteen rows' blocks transposed word by word ([`interleave_x16`]): each
-    /// field of a block holds the sixteen rows side by side, so an AVX-512 kernel keeps the
-    /// sixteen outputs in the lanes of one register.
+    /// Q4_K, Q4_0, Q8_0: sixteen rows' blocks transposed word by word ([`interleave_x16`]); Q5_0,
+    /// Q5_1: each block re-split into its fields (`q5_x16`). Each field of a block holds the
+    /// sixteen rows side by side, so an AVX-512 kernel keeps the sixteen outputs in the lanes of
+    /// one register.
     X16,
 }
 
 /// The layout a backend that prefers `preferred` gives a weight: an interleaved one only for a
 /// matmul weight llama.cpp repacks (`block_q4_Kx8`, `block_q4_0x8`: so the kernels that read it
-/// compute llama.cpp's repacked forms) or a Q8_0 weight (whose form is the same either way),
-/// and only where its rows fill whole groups — X16 needs rows in sixteens (else Q4_K takes X8),
+/// compute llama.cpp's repacked forms), a Q5_0/Q5_1 matmul weight or a Q8_0 weight (whose
+/// forms are the same either way), and only where its rows fill whole groups — X16 needs rows in sixteens (else Q4_K takes X8),
 /// X8 rows in eights and more than one chunk per row (a row of one chunk already lies so).
 pub fn row_layout_for(
     preferred: RowLayout,
@@ -245,8 +249,10 @@ pub fn row_layout_for(
         return RowLayout::Rows;
     }
     let x8 = ty == GgmlType::Q4K && rows.is_multiple_of(8) && cols > Q4K_X8_CHUNK * QK_K;
-    let x16 =
-        matches!(ty, GgmlType::Q4K | GgmlType::Q4_0 | GgmlType::Q8_0) && rows.is_multiple_of(16);
+    let x16 = matches!(
+        ty,
+        GgmlType::Q4K | GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q5_1
+    ) && rows.is_multiple_of(16);
     match preferred {
         RowLayout::X16 if x16 => RowLayout::X16,
         RowLayout::X16 | RowLayout::X8 if x8 => RowLayout::X8,
@@ -287,6 +293,7 @@ pub fn interleave_rows(
     for chunk in words.chunks_exact_mut(group) {
         let rearranged = match layout {
             RowLayout::X8 => interleave_q4k_x8(chunk, 8, cols / QK_K),
+            _ if is_q5(ty) => q5_group(ty, chunk, cols, true),
             _ => {
                 let (values, width) = x16_unit(ty);
                 interleave_x16(chunk, 16, cols / values, width)
@@ -309,11 +316,37 @@ pub fn deinterleave_rows(
     match layout {
         RowLayout::Rows => words.to_vec(),
         RowLayout::X8 => deinterleave_q4k_x8(words, rows, cols / QK_K),
+        RowLayout::X16 if is_q5(ty) => {
+            let group = words.len() / rows * 16;
+            (words.chunks_exact(group))
+                .flat_map(|g| q5_group(ty, g, cols, false))
+                .collect()
+        }
         RowLayout::X16 => {
             let (values, width) = x16_unit(ty);
             deinterleave_x16(words, rows, cols / values, width)
         }
     }
+}
+
+fn is_q5(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1)
+}
+
+/// One group of sixteen Q5 rows (`16 × row_words` words) into the X16 layout (`to_x16`) or
+/// back; the padding words at the group's end stay zero.
+fn q5_group(ty: GgmlType, group: &[u32], cols: usize, to_x16: bool) -> Vec<u32> {
+    let mut out = vec![0u32; group.len()];
+    let (src, dst): (&[u8], &mut [u8]) = (
+        bytemuck::cast_slice(group),
+        bytemuck::cast_slice_mut(&mut out),
+    );
+    let (row_len, blocks) = (src.len() / 16, cols / BLOCK);
+    match to_x16 {
+        true => q5_x16::to_x16(ty, src, row_len, blocks, dst),
+        false => q5_x16::from_x16(ty, src, blocks, row_len, dst),
+    }
+    out
 }
 
 /// A split weight's f32 block scales `[rows, cols / 32]` in `layout` (Q4_0 and Q8_0 in X16:
@@ -420,6 +453,15 @@ fn regroup_x16<T: Copy + Default>(
 /// Row `r`'s words (and, for a split type, its block scales) in the file's order, from a
 /// weight in the X16 layout.
 fn x16_row(p: &HostPackedView<'_>, r: usize) -> (Vec<u32>, Vec<f32>) {
+    if is_q5(p.ty) {
+        let per_row = p.words.len() / p.rows;
+        let group = &p.words[r / 16 * 16 * per_row..(r / 16 + 1) * 16 * per_row];
+        let rows = q5_group(p.ty, group, p.cols, false);
+        return (
+            rows[r % 16 * per_row..(r % 16 + 1) * per_row].to_vec(),
+            Vec::new(),
+        );
+    }
     let (values, width) = x16_unit(p.ty);
     let units = p.cols / values;
     let words = (0..units)

@@ -403,7 +403,7 @@ fn q4_1_matmul_flex_native() {
 }
 
 /// The CPU backend's interleaved layouts (`packed::RowLayout`: Q4_K in X8 for AVX2; Q4_K,
-/// Q4_0 and Q8_0 in X16 for AVX-512 VNNI) give the bits of the file's layout in every op that reads a
+/// Q4_0, Q8_0, Q5_0 and Q5_1 in X16 for AVX-512 VNNI) give the bits of the file's layout in every op that reads a
 /// weight: the matmul for every row count (the eight- and sixteen-row kernels on the groups
 /// as they lie; where a form has no such kernel, rows put back in order), inside a batched
 /// pass that declares its sequences, the activations' gradient, embedding rows and the whole
@@ -415,6 +415,8 @@ fn interleaved_layouts_give_the_file_layouts_bits() {
         (GgmlType::Q4K, RowLayout::X16),
         (GgmlType::Q4_0, RowLayout::X16),
         (GgmlType::Q8_0, RowLayout::X16),
+        (GgmlType::Q5_0, RowLayout::X16),
+        (GgmlType::Q5_1, RowLayout::X16),
     ] {
         check::<Flex>(ty, layout);
         check::<NdArray>(ty, layout);

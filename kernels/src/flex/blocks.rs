@@ -398,6 +398,52 @@ fn q4k_x16_task(w: &[u8], acts: &[ActRow], forms: &[Form], cols: &mut [f32]) {
     )
 }
 
+/// One task of a Q5_0 or Q5_1 weight in the X16 layout (`w`: its group of sixteen rows, as
+/// stored): the activation rows two at a time (each block's weights unpacked once for both),
+/// an odd last one alone, into `cols` (column `c`'s `m` values at `c·m`). Only called where
+/// `flex::x16_kernels()`.
+fn q5_x16_task(ty: GgmlType, w: &[u8], acts: &[ActRow], cols: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::blocks_vnni::gemm_q5_x16;
+        let m = acts.len();
+        let q8 = |i: usize| match &acts[i] {
+            ActRow::Q8(y) => y,
+            _ => unreachable!("Q5 weights take Q8_0/Q8_1 activations"),
+        };
+        let mut put = |i: usize, y: &[f32; 16]| (0..16).for_each(|c| cols[c * m + i] = y[c]);
+        let mut i = 0;
+        // SAFETY (each call): the CPU has AVX-512 F/BW/VL/VNNI (`flex::x16_kernels`).
+        while i + 2 <= m {
+            let y = unsafe {
+                match ty {
+                    GgmlType::Q5_1 => gemm_q5_x16::<true, 2>(w, [q8(i), q8(i + 1)]),
+                    _ => gemm_q5_x16::<false, 2>(w, [q8(i), q8(i + 1)]),
+                }
+            };
+            put(i, &y[0]);
+            put(i + 1, &y[1]);
+            i += 2;
+        }
+        if i < m {
+            let [y] = unsafe {
+                match ty {
+                    GgmlType::Q5_1 => gemm_q5_x16::<true, 1>(w, [q8(i)]),
+                    _ => gemm_q5_x16::<false, 1>(w, [q8(i)]),
+                }
+            };
+            put(i, &y);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!(
+        "no X16 kernels off x86-64 ({ty}, {} bytes, {} rows, {} outputs)",
+        w.len(),
+        acts.len(),
+        cols.len()
+    )
+}
+
 /// The fastest `dot` this CPU has.
 fn dot_impl() -> fn(GgmlType, &[u8], &ActRow, Form, GgmlIsa) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -461,13 +507,20 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
     // task puts back in order first (a copy of its 16 rows, small beside the arithmetic of
     // several rows).
     let x16 = w.layout == RowLayout::X16 && super::x16_kernels();
+    // Whether an X16 kernel reads every row's form: Q4_K's `Gemm`/`Gemv`, Q5's `VecDot`.
+    let x16_reads = x16
+        && match ty {
+            GgmlType::Q4K => forms.iter().all(|&f| matches!(f, Form::Gemm | Form::Gemv)),
+            GgmlType::Q5_0 | GgmlType::Q5_1 => true,
+            _ => false,
+        };
     let needs_rows = match w.layout {
         RowLayout::Rows => false,
         // (The eight-row kernel is AVX2's: below that, every form reads rows.)
         RowLayout::X8 => {
             super::cpu_level() < super::CpuLevel::Avx2 || forms.iter().any(|&f| f != Form::Gemv)
         }
-        RowLayout::X16 => !x16 || forms.iter().any(|&f| !matches!(f, Form::Gemm | Form::Gemv)),
+        RowLayout::X16 => !x16_reads,
     };
     let mut out_t = vec![0.0f32; n * m];
     out_t
@@ -476,8 +529,12 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
         .for_each(|(g, cols)| {
             let ncols = cols.len() / m;
             let task_words = &w.words[g * COLS * per_row..(g * COLS + ncols) * per_row];
-            if x16 && !needs_rows {
-                q4k_x16_task(bytemuck::cast_slice(task_words), &acts, forms, cols);
+            if x16_reads {
+                let w = bytemuck::cast_slice(task_words);
+                match ty {
+                    GgmlType::Q4K => q4k_x16_task(w, &acts, forms, cols),
+                    _ => q5_x16_task(ty, w, &acts, cols),
+                }
                 return;
             }
             let plain: Option<Vec<u32>> =

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 use super::blocks::Q8K;
 use super::blocks_avx2::{f16c_at, hsum_float_8, load128, q6k_values};
 use super::qmatmul::QuantRow;
-use crate::packed::BLOCK;
+use crate::packed::{BLOCK, GgmlType};
 
 /// Sums of four lanes: per 128-bit lane `L`, element `j` of the result is the sum of lanes
 /// `4L..4L + 4` of `a[j]`. Exact: integer additions in any order.
@@ -438,6 +438,87 @@ pub(super) fn gemm_q4_0_x16<const A: usize>(
     for a in 0..A {
         // SAFETY: 16 f32 = 64 bytes.
         unsafe { _mm512_storeu_ps(out[a].as_mut_ptr(), acc[a]) };
+    }
+    out
+}
+
+/// `dot_q5_0` (`Q5_1 = false`) or `dot_q5_1` for the sixteen rows of an X16 group (`w`: its
+/// blocks re-split by `packed::q5_x16`, 352 or 384 bytes each) against `R` activation rows
+/// (decode takes one, prefill two). Each output lives in a 32-bit lane, its eight ggml lanes in
+/// eight registers: per block and ggml lane `l`, the rows' nibbles of lane `l` get their fifth
+/// bits from `l`'s byte mask in one masked add (once for the `R` rows), and one `vpdpbusd` by
+/// an activation row's word `l` broadcast forms the exact lane sum (Q5_0's `q − 16` as
+/// `Σ q·y − Σ 16·y`, the second sum the accumulator it starts from); then
+/// `fma(d_w · d_x, lane, acc_l)` and, at the end, `hsum_float_8`'s additions across the eight
+/// registers (plus Q5_1's `Σ m · s`, fused per block as `dot_q5_1` does). Per output the
+/// operations of `dot_q5_0`/`dot_q5_1`, so their bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn gemm_q5_x16<const Q5_1: bool, const R: usize>(
+    w: &[u8],
+    x: [&QuantRow; R],
+) -> [[f32; 16]; R] {
+    let ty = if Q5_1 { GgmlType::Q5_1 } else { GgmlType::Q5_0 };
+    let block = 16 * ty.type_size();
+    let blocks = x[0].scales.len();
+    assert!(w.len() >= blocks * block);
+    for x in x {
+        assert!(x.scales.len() == blocks && x.quants.len() >= blocks * BLOCK);
+        assert!(!Q5_1 || x.sums.len() >= blocks);
+    }
+    let (at_qh, at_qs) = crate::packed::q5_x16_offsets(ty);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let fifth = _mm512_set1_epi8(0x10);
+    let mut acc = [[_mm512_setzero_ps(); 8]; R];
+    let mut mins = [_mm512_setzero_ps(); R];
+    // SAFETY: every load is inside the slices (asserted above): block `i`'s fields at their
+    // offsets within its `block` bytes, the activations' word `l` of block `i`.
+    unsafe {
+        for i in 0..blocks {
+            let b = w.as_ptr().add(i * block);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b as *const __m256i));
+            let m = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(32) as *const __m256i));
+            let mut scale = [_mm512_setzero_ps(); R];
+            // Q5_0: each ggml lane's −Σ 16·y, where its integer sum starts.
+            let mut start = [[0i32; 8]; R];
+            for r in 0..R {
+                scale[r] = _mm512_mul_ps(dw, _mm512_set1_ps(*x[r].scales.get_unchecked(i)));
+                if Q5_1 {
+                    let s = _mm512_set1_ps(*x[r].sums.get_unchecked(i));
+                    mins[r] = _mm512_fmadd_ps(m, s, mins[r]);
+                } else {
+                    let y = _mm256_loadu_si256(x[r].quants.as_ptr().add(BLOCK * i) as *const _);
+                    let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(16), y);
+                    let s = _mm256_sub_epi32(_mm256_setzero_si256(), s);
+                    _mm256_storeu_si256(start[r].as_mut_ptr() as *mut __m256i, s);
+                }
+            }
+            for l in 0..8 {
+                let qs = _mm512_loadu_si512(b.add(at_qs + 64 * (l % 4)) as *const _);
+                let nib = match l < 4 {
+                    true => _mm512_and_si512(qs, m4),
+                    false => _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4),
+                };
+                let mask = (b.add(at_qh + 8 * l) as *const u64).read_unaligned();
+                let q = _mm512_mask_add_epi8(nib, mask, nib, fifth);
+                for r in 0..R {
+                    let y = x[r].quants.as_ptr().add(BLOCK * i + 4 * l);
+                    let y = _mm512_set1_epi32((y as *const i32).read_unaligned());
+                    let lane = _mm512_dpbusd_epi32(_mm512_set1_epi32(start[r][l]), q, y);
+                    acc[r][l] = _mm512_fmadd_ps(scale[r], _mm512_cvtepi32_ps(lane), acc[r][l]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; 16]; R];
+    for r in 0..R {
+        let sums = super::vnni::hsum8_across(&acc[r]);
+        let sums = if Q5_1 {
+            _mm512_add_ps(sums, mins[r])
+        } else {
+            sums
+        };
+        // SAFETY: `out[r]` holds sixteen f32.
+        unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), sums) };
     }
     out
 }

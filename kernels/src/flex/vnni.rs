@@ -435,7 +435,7 @@ unsafe fn row_x16(x: &Row, bytes: &[u8], scales: &[f32]) -> [f32; 16] {
 /// lanes in eight registers): `(a[i] + a[i + 4])`, then `(r0 + r2) + (r1 + r3)`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 #[inline]
-fn hsum8_across(acc: &[__m512; 8]) -> __m512 {
+pub(super) fn hsum8_across(acc: &[__m512; 8]) -> __m512 {
     let t: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
     _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]))
 }

@@ -2,7 +2,7 @@
 //! specifications.
 
 use super::*;
-use crate::packed::QK_K;
+use crate::packed::{BLOCK, QK_K};
 
 fn rng(seed: u64) -> impl FnMut() -> u32 {
     let mut s = seed;
@@ -391,6 +391,62 @@ fn gemv_bandwidth() {
                 s * 1e3,
                 *bytes as f64 / s / 1e9
             );
+        }
+    }
+}
+
+/// The sixteen-row Q5_0/Q5_1 kernels (AVX-512 VNNI, on the re-split X16 layout), for one and
+/// two activation rows, give each output the specification's bits, on rows of 1 to 37 blocks
+/// (odd counts end in padding).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn sixteen_row_q5_kernels_are_bit_identical_to_the_spec() {
+    use super::super::blocks_vnni::gemm_q5_x16;
+    use crate::packed::{RowLayout, interleave_rows, pack};
+    if !super::super::x16_kernels() {
+        return;
+    }
+    let mut next = rng(23);
+    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+        for blocks in [1usize, 2, 7, 18, 37] {
+            let k = blocks * BLOCK;
+            let w: Vec<Vec<u8>> = (0..16).map(|_| random_row(ty, blocks, &mut next)).collect();
+            let words = pack(ty, &w.concat(), 16, k).unwrap().words;
+            let x16 = interleave_rows(RowLayout::X16, ty, words, 16, k);
+            let x16: &[u8] = bytemuck::cast_slice(&x16);
+            let acts: Vec<ActRow> = (0..3)
+                .map(|_| activation(ty, &random_activations(k, &mut next), Form::VecDot))
+                .collect();
+            let y: Vec<&QuantRow> = acts
+                .iter()
+                .map(|a| match a {
+                    ActRow::Q8(y) => y,
+                    _ => unreachable!(),
+                })
+                .collect();
+            // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI (`x16_kernels`).
+            let (one, two) = unsafe {
+                match ty {
+                    GgmlType::Q5_1 => (
+                        gemm_q5_x16::<true, 1>(x16, [y[0]]),
+                        gemm_q5_x16::<true, 2>(x16, [y[1], y[2]]),
+                    ),
+                    _ => (
+                        gemm_q5_x16::<false, 1>(x16, [y[0]]),
+                        gemm_q5_x16::<false, 2>(x16, [y[1], y[2]]),
+                    ),
+                }
+            };
+            for (a, got) in [one[0], two[0], two[1]].iter().enumerate() {
+                for (r, w) in w.iter().enumerate() {
+                    let want = dot(ty, w, &acts[a], Form::VecDot, GgmlIsa::Avx2);
+                    assert_eq!(
+                        got[r].to_bits(),
+                        want.to_bits(),
+                        "{ty}: row {r}, activation row {a}, {blocks} blocks"
+                    );
+                }
+            }
         }
     }
 }
