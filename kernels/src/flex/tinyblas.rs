@@ -148,6 +148,15 @@ pub(super) fn matmul(
     let dst = OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let zmm = avx512::takes(elem, isa);
+    // The 512-bit tile converts 16-bit operands as it loads them, and `vcvtph2ps` needs a
+    // register of its own per load: a 4 × 6 tile then spills accumulators. So the activations
+    // (already rounded to `elem`) are widened to f32 once here, each group of weight rows once
+    // per task (`avx512::task`), and the f32 tile multiplies them: exact widenings, the same
+    // products and sums.
+    #[cfg(target_arch = "x86_64")]
+    let x32: Option<Vec<u8>> = (zmm && avx512::widens(elem, isa)).then(|| widen(x, elem));
+    #[cfg(target_arch = "x86_64")]
+    let x = x32.as_deref().unwrap_or(x);
     (0..n.div_ceil(per_task)).into_par_iter().for_each(|t| {
         let (r0, rows) = (t * per_task, per_task.min(n - t * per_task));
         let w = &w[r0 * wrow..(r0 + rows) * wrow];
@@ -179,6 +188,21 @@ pub(super) fn matmul(
             }
         }
     });
+    out
+}
+
+/// 16-bit values (bytes of `elem`) widened to f32 (exactly), as bytes.
+#[cfg(target_arch = "x86_64")]
+fn widen(x: &[u8], elem: Elem) -> Vec<u8> {
+    const CHUNK: usize = 8192;
+    let mut out = vec![0u8; x.len() * 2];
+    out.par_chunks_mut(4 * CHUNK)
+        .zip(x.par_chunks(2 * CHUNK))
+        .for_each(|(o, x)| {
+            for (i, o) in o.chunks_exact_mut(4).enumerate() {
+                o.copy_from_slice(&elem.value(x, i).to_le_bytes());
+            }
+        });
     out
 }
 
@@ -511,6 +535,12 @@ mod avx512 {
             || std::is_x86_feature_detected!("avx512bf16")
     }
 
+    /// Whether [`task`] takes its activations widened to f32 (16-bit types but the AVX512_BF16
+    /// build's bf16, whose `vdpbf16ps` reads bf16 pairs).
+    pub(super) fn widens(elem: Elem, isa: GgmlIsa) -> bool {
+        elem != Elem::F32 && !(elem == Elem::BF16 && isa == GgmlIsa::Avx512Bf16)
+    }
+
     /// Sixteen elements of type `E` at `p`, widened to f32.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
@@ -529,8 +559,9 @@ mod avx512 {
     }
 
     /// The `R × C` outputs of weight rows `w + r·ld` by activation rows `x + i·ld` into
-    /// `out[i·n + r]`.
-    #[inline]
+    /// `out[i·n + r]`. Not inlined: inside the caller's loops LLVM's register allocator spilled
+    /// nine of the 4 × 6 tile's 24 accumulators to the stack on every step.
+    #[inline(never)]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn tile<const E: u8, const R: usize, const C: usize>(
         w: *const u8,
@@ -621,7 +652,7 @@ mod avx512 {
     }
 
     /// Weight rows `w[rows, k]` by all activation rows `x[m, k]`: `out[i·n + r]`. The CPU has
-    /// what [`takes`] asks for.
+    /// what [`takes`] asks for. Where [`widens`], `x` is f32 and the weights `elem`.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn task(
@@ -639,11 +670,34 @@ mod avx512 {
         unsafe {
             match (elem, isa) {
                 (Elem::F32, _) => task_of::<F32>(w, rows, x, m, k, out, n),
-                (Elem::F16, _) => task_of::<F16>(w, rows, x, m, k, out, n),
                 (Elem::BF16, GgmlIsa::Avx512Bf16) => {
                     task_of::<BF16_PAIRS>(w, rows, x, m, k, out, n)
                 }
-                (Elem::BF16, _) => task_of::<BF16>(w, rows, x, m, k, out, n),
+                _ => {
+                    // Each group of RM weight rows widened to f32 once, for all `m` rows.
+                    let wrow = 2 * k;
+                    let mut w32 = vec![0u8; 2 * w.len()];
+                    for (o, w) in w32.chunks_mut(2 * RM * wrow).zip(w.chunks(RM * wrow)) {
+                        widen16(w, elem, o);
+                    }
+                    task_of::<F32>(&w32, rows, x, m, k, out, n)
+                }
+            }
+        }
+    }
+
+    /// 16-bit values widened to f32 bytes (exact): sixteen per instruction.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    fn widen16(w: &[u8], elem: Elem, out: &mut [u8]) {
+        assert!(out.len() >= 2 * w.len() && w.len().is_multiple_of(32));
+        for (i, o) in out.chunks_exact_mut(64).take(w.len() / 32).enumerate() {
+            // SAFETY: 32 bytes of `w` at `32 i` (asserted), 64 of `o`.
+            unsafe {
+                let v = match elem {
+                    Elem::F16 => load16::<F16>(w.as_ptr().add(32 * i)),
+                    _ => load16::<BF16>(w.as_ptr().add(32 * i)),
+                };
+                _mm512_storeu_ps(o.as_mut_ptr() as *mut f32, v);
             }
         }
     }
