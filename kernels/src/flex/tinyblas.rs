@@ -317,8 +317,9 @@ mod avx2 {
 
     /// The `RM × RN` outputs of weight rows `w + r·ld` by activation rows `x + i·ld` (`ld`
     /// bytes apart), each with `H` 8-lane accumulators (H = 2: the 16-lane order), into
-    /// `out[i·n + r]`.
-    #[inline]
+    /// `out[i·n + r]`. Not inlined, as the 512-bit tile (the caller's loops made LLVM spill
+    /// accumulators).
+    #[inline(never)]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const E: u8, const H: usize, const RM: usize, const RN: usize>(
         w: *const u8,
