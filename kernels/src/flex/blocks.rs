@@ -326,7 +326,8 @@ fn dot_rows4(ty: GgmlType, w: &[u8], x: [&ActRow; 4], form: Form) -> Option<[f32
 
 /// `2·R` outputs — two weight rows against `R` activation rows of the same form — where a
 /// CPU-specific kernel computes them (the same bits as `2·R` `dot_avx2` calls); `None`
-/// elsewhere. Today: Q5_0 and Q5_1 on CPUs with AVX-512 VNNI, for `R` = 1 (decode) and 4.
+/// elsewhere. Today: Q5_0 and Q5_1 on CPUs with AVX-512 VNNI, for `R` = 1 (decode) and 4, and on
+/// AVX2 CPUs for `R` = 1.
 fn dot2_rows<const R: usize>(
     ty: GgmlType,
     w: [&[u8]; 2],
@@ -351,6 +352,22 @@ fn dot2_rows<const R: usize>(
                 _ => None,
             }
         };
+    }
+    // AVX2: the decode form (one activation row).
+    #[cfg(target_arch = "x86_64")]
+    if let ([ActRow::Q8(y)], true, Form::VecDot) =
+        (&x[..], super::cpu_level() >= super::CpuLevel::Avx2, form)
+    {
+        use super::blocks32_avx2 as w32;
+        // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
+        let two = unsafe {
+            match ty {
+                GgmlType::Q5_0 => w32::dot2_q5::<false>(w, y),
+                GgmlType::Q5_1 => w32::dot2_q5::<true>(w, y),
+                _ => return None,
+            }
+        };
+        return Some(std::array::from_fn(|j| [two[j]; R]));
     }
     let _ = (ty, w, x, form);
     None

@@ -92,6 +92,46 @@ pub(super) fn dot_q5_0_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
     std::array::from_fn(|r| hsum_float_8(acc[r]))
 }
 
+/// `dot_q5_0`/`dot_q5_1` for two weight rows against one activation row (decode on AVX2 CPUs):
+/// two chains of FMAs in flight where the one-row kernel has one, the activation block loaded
+/// once for both; each row's operations are the one-row kernel's, so its bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot2_q5<const Q5_1: bool>(w: [&[u8]; 2], x: &QuantRow) -> [f32; 2] {
+    let size = if Q5_1 { 24 } else { 22 };
+    let nb = w[0].len() / size;
+    assert!(w[1].len() >= nb * size && x.quants.len() >= nb * BLOCK && x.scales.len() >= nb);
+    assert!(!Q5_1 || x.sums.len() >= nb);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut summs = [0.0f32; 2];
+    let sixteen = _mm256_set1_epi8(16);
+    for i in 0..nb {
+        let y = load_q8(&x.quants[BLOCK * i..]);
+        for j in 0..2 {
+            let b = &w[j][size * i..size * (i + 1)];
+            if Q5_1 {
+                let (dx, m) = (f16c_at(b, 0), f16c_at(b, 2));
+                summs[j] = m.mul_add(x.sums[i], summs[j]);
+                let q = q5_values(&b[8..24], u32::from_le_bytes([b[4], b[5], b[6], b[7]]));
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), _mm256_set1_epi16(1));
+                let d = _mm256_set1_ps(dx * x.scales[i]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[j]);
+            } else {
+                let d = f16c_at(b, 0) * x.scales[i];
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                let q = _mm256_sub_epi8(q5_values(&b[6..22], qh), sixteen);
+                let p = signed_lanes(q, y);
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc[j]);
+            }
+        }
+    }
+    // (Q5_0 adds nothing after the sum: `+ 0.0` would turn a −0.0 into +0.0.)
+    let sum = |j: usize| match Q5_1 {
+        true => hsum_float_8(acc[j]) + summs[j],
+        false => hsum_float_8(acc[j]),
+    };
+    [sum(0), sum(1)]
+}
+
 /// [`q5_values`] with AVX-512 BW: `qh`'s 32 bits are a byte mask, so the fifth bits are one
 /// masked add (five instructions fewer than AVX2's shuffle, compare and blend).
 #[inline]

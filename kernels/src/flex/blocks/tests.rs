@@ -166,6 +166,45 @@ fn four_row_dots_are_bit_identical_to_the_spec() {
     assert_eq!(checked, 60);
 }
 
+/// The AVX2 two-row decode kernel gives each output the specification's bits (on any AVX2 CPU:
+/// called directly, as an AVX-512 CPU's `dot2_rows` takes the VNNI one).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn two_row_avx2_decode_dots_are_bit_identical_to_the_spec() {
+    if super::super::cpu_level() < super::super::CpuLevel::Avx2 {
+        return;
+    }
+    let mut next = rng(29);
+    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+        for blocks in [1usize, 2, 7, 18, 72] {
+            let k = blocks * ty.block_size();
+            let w = [
+                random_row(ty, blocks, &mut next),
+                random_row(ty, blocks, &mut next),
+            ];
+            let act = activation(ty, &random_activations(k, &mut next), Form::VecDot);
+            let ActRow::Q8(y) = &act else { unreachable!() };
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+            let got = unsafe {
+                match ty {
+                    GgmlType::Q5_1 => {
+                        super::super::blocks32_avx2::dot2_q5::<true>([&w[0], &w[1]], y)
+                    }
+                    _ => super::super::blocks32_avx2::dot2_q5::<false>([&w[0], &w[1]], y),
+                }
+            };
+            for j in 0..2 {
+                let want = dot(ty, &w[j], &act, Form::VecDot, GgmlIsa::Avx2);
+                assert_eq!(
+                    got[j].to_bits(),
+                    want.to_bits(),
+                    "{ty} row {j}, {blocks} blocks"
+                );
+            }
+        }
+    }
+}
+
 /// The 2 × 4 and 2 × 1 kernels (AVX-512 VNNI) give each output the specification's bits.
 #[cfg(target_arch = "x86_64")]
 #[test]
