@@ -300,8 +300,8 @@ impl ToyBackend for Flex {
             let isa = ggml_isa();
             let several = |xd: &[f32], m: usize| {
                 if tinyblas::applies(m, n, k, isa, tinyblas::Elem::F32) {
-                    let (xb, wb) = (bytemuck::cast_slice(xd), bytemuck::cast_slice(wd));
-                    tinyblas::matmul(xb, m, wb, n, k, tinyblas::Elem::F32, isa)
+                    let wb = bytemuck::cast_slice(wd);
+                    tinyblas::matmul(xd, m, wb, n, k, tinyblas::Elem::F32, isa)
                 } else if m == 1 {
                     tinyblas::vec_dot_matmul(xd, m, wd, n, k, isa)
                 } else {

@@ -456,11 +456,16 @@ fn x16_row(p: &HostPackedView<'_>, r: usize) -> (Vec<u32>, Vec<f32>) {
     if is_q5(p.ty) {
         let per_row = p.words.len() / p.rows;
         let group = &p.words[r / 16 * 16 * per_row..(r / 16 + 1) * 16 * per_row];
-        let rows = q5_group(p.ty, group, p.cols, false);
-        return (
-            rows[r % 16 * per_row..(r % 16 + 1) * per_row].to_vec(),
-            Vec::new(),
+        let mut row = vec![0u32; per_row];
+        let blocks = p.cols / BLOCK;
+        q5_x16::row_from_x16(
+            p.ty,
+            bytemuck::cast_slice(group),
+            blocks,
+            r % 16,
+            bytemuck::cast_slice_mut(&mut row),
         );
+        return (row, Vec::new());
     }
     let (values, width) = x16_unit(p.ty);
     let units = p.cols / values;

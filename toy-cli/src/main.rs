@@ -110,6 +110,14 @@ fn keep_freed_memory() {
 fn main() -> ExitCode {
     keep_freed_memory();
     let cli = Cli::parse();
+    // Chat templates come from model files: they render in a child process with a memory
+    // limit, forked from this one while it is still small (before a model loads).
+    #[cfg(target_os = "linux")]
+    if matches!(cli.command, Command::Infer(_) | Command::Serve(_))
+        && let Err(e) = toy_core::chat::sandbox::start()
+    {
+        eprintln!("warning: no template sandbox process ({e}); templates will fork per render");
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("TOY_LOG"))

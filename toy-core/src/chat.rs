@@ -17,7 +17,12 @@
 //! A template comes from the model file, so it is untrusted input: it gets no loader (no
 //! `include` of files), a budget of template instructions ([`TEMPLATE_FUEL`]) so nested loops
 //! cannot hang the caller, and an output cap ([`MAX_RENDERED_BYTES`]). minijinja bounds
-//! recursion, `range` and string repetition itself.
+//! recursion, `range` and string repetition itself. What nothing inside the process can bound —
+//! a string grown by concatenation until an allocation fails, which aborts — is bounded on
+//! Linux by rendering in a forked child with an address-space limit ([`sandbox`]).
+
+#[cfg(target_os = "linux")]
+pub mod sandbox;
 
 use minijinja::{Environment, Error, ErrorKind, context};
 use serde::{Deserialize, Serialize};
@@ -84,6 +89,35 @@ pub fn render(
 /// `tool_call_id`, `name` …) and, when given, the `tools` a template describes to the model.
 /// Without tools the variable is undefined, as in transformers.
 pub fn render_json(
+    template: &str,
+    messages: &serde_json::Value,
+    tools: Option<&serde_json::Value>,
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, ChatError> {
+    #[cfg(target_os = "linux")]
+    return sandbox::render(&sandbox::Job {
+        template: template.to_string(),
+        messages: messages.clone(),
+        tools: tools.cloned(),
+        add_generation_prompt,
+        bos_token: bos_token.to_string(),
+        eos_token: eos_token.to_string(),
+    });
+    #[cfg(not(target_os = "linux"))]
+    render_here(
+        template,
+        messages,
+        tools,
+        add_generation_prompt,
+        bos_token,
+        eos_token,
+    )
+}
+
+/// [`render_json`] in this process.
+fn render_here(
     template: &str,
     messages: &serde_json::Value,
     tools: Option<&serde_json::Value>,
@@ -350,6 +384,45 @@ mod tests {
         assert!(render(include, &[], false, "", "").is_err());
         let recursion = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
         assert!(render(recursion, &[], false, "", "").is_err());
+    }
+
+    /// A string doubled in a loop asks for 2⁶⁰ bytes: on Linux the render's child process
+    /// hits its address-space limit and the caller gets an error, its own memory untouched;
+    /// the next render works.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_string_doubled_without_end_is_an_error_not_an_abort() {
+        let doubling = "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
+        let err = render(doubling, &[], false, "", "").unwrap_err();
+        assert!(
+            matches!(&err, ChatError::Template(m) if m.contains("MiB")),
+            "{err:?}"
+        );
+        // Doubling within the budget is a template's own business.
+        let few = doubling.replace("range(60)", "range(10)");
+        assert_eq!(render(&few, &[], false, "", "").unwrap(), "2048");
+        assert_eq!(
+            render(CHATML, &[ChatMessage::new("user", "Hi")], false, "", "").unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n"
+        );
+    }
+
+    /// The zygote renders, survives a child killed by a runaway template, and renders again.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_sandbox_zygote_outlives_a_runaway_template() {
+        sandbox::start().unwrap();
+        let hi = [ChatMessage::new("user", "Hi")];
+        let want = "<|im_start|>user\nHi<|im_end|>\n";
+        assert_eq!(render(CHATML, &hi, false, "", "").unwrap(), want);
+        let doubling = "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}";
+        assert!(render(doubling, &hi, false, "", "").is_err());
+        let refusal = "{{ raise_exception('no') }}";
+        assert!(matches!(
+            render(refusal, &hi, false, "", ""),
+            Err(ChatError::Refused(m)) if m == "no"
+        ));
+        assert_eq!(render(CHATML, &hi, false, "", "").unwrap(), want);
     }
 
     #[test]

@@ -411,6 +411,9 @@ pub fn load_gpt2<B: ToyBackend>(
             n_head: c.n_head,
             lora: None,
         });
+        // As the llama loader does after each layer (`load.rs`): the file's pages read so far
+        // are copied out, so they need not stay resident beside the model.
+        file.release_pages();
         progress(i + 2, total);
     }
     let output_norm = layer_norm("output_norm")?;

@@ -367,7 +367,7 @@ fn dot2_rows<const R: usize>(
                 _ => return None,
             }
         };
-        return Some(std::array::from_fn(|j| [two[j]; R]));
+        return Some(two.map(|y| [y; R])); // (R = 1: the one activation row)
     }
     let _ = (ty, w, x, form);
     None
@@ -569,6 +569,7 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                 )),
                 _ => Rows8::Apart(std::array::from_fn(|r| wr(c0 + r))),
             };
+            let two_rows = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
             // Activation rows in blocks of 16 (llama.cpp's 16 × 16 tiles), so a block's
             // activations and the group's weight rows stay in L1 while they are reused.
             for i0 in (0..m).step_by(ROW_BLOCK) {
@@ -597,8 +598,9 @@ fn matmul_forms(x: &[f32], m: usize, w: &HostPackedView<'_>, forms: &[Form]) -> 
                     }
                     c0 += 8;
                 }
-                // Two weight rows by four activation rows per call where that kernel exists.
-                'pairs: while c0 + 2 <= ncols {
+                // Two weight rows by four activation rows (or one) per call where that kernel
+                // exists: Q5_0/Q5_1 (`dot2_rows`).
+                'pairs: while two_rows && c0 + 2 <= ncols {
                     let pair = [wr(c0), wr(c0 + 1)];
                     let mut i = i0;
                     while i + 4 <= i1 && forms[i..i + 4].iter().all(|&f| f == forms[i]) {
@@ -650,11 +652,10 @@ fn half_tinyblas(x: &[f32], m: usize, w: &HostPackedView<'_>, isa: GgmlIsa) -> V
         GgmlType::F16 => super::tinyblas::Elem::F16,
         _ => super::tinyblas::Elem::BF16,
     };
-    let xs = super::tinyblas::round_to_half(x, elem);
     // A 16-bit row of `k` values (k a multiple of 8) is a whole number of words: the rows are
     // contiguous in `words`.
     let ws: &[u8] = bytemuck::cast_slice(&w.words[..n * k / 2]);
-    super::tinyblas::matmul(&xs, m, ws, n, k, elem, isa)
+    super::tinyblas::matmul(x, m, ws, n, k, elem, isa)
 }
 
 #[cfg(test)]

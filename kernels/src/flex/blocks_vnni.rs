@@ -483,7 +483,10 @@ pub(super) fn gemm_q5_x16<const Q5_1: bool, const R: usize>(
         for i in 0..blocks {
             let b = w.as_ptr().add(i * block);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b as *const __m256i));
-            let m = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(32) as *const __m256i));
+            let m = match Q5_1 {
+                true => _mm512_cvtph_ps(_mm256_loadu_si256(b.add(32) as *const __m256i)),
+                false => _mm512_setzero_ps(),
+            };
             let mut scale = [_mm512_setzero_ps(); R];
             // Q5_0: each ggml lane's −Σ 16·y, where its integer sum starts.
             let mut start = [[0i32; 8]; R];

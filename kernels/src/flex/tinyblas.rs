@@ -92,18 +92,43 @@ pub(super) fn dot(w: &[u8], x: &[u8], elem: Elem, isa: GgmlIsa) -> f32 {
 /// Activations rounded to a 16-bit weight's type, as llama.cpp converts them before its dot
 /// products (f16: round to nearest even, ggml's `_cvtss_sh(x, 0)`; bf16: `GGML_FP32_TO_BF16`),
 /// as little-endian bytes.
-pub(super) fn round_to_half(x: &[f32], elem: Elem) -> Vec<u8> {
-    const CHUNK: usize = 8192;
+fn round_to_half(x: &[f32], elem: Elem) -> Vec<u8> {
     let mut out = vec![0u8; x.len() * 2];
     out.par_chunks_mut(2 * CHUNK)
         .zip(x.par_chunks(CHUNK))
-        .for_each(|(o, x)| match elem {
-            Elem::F16 => f16_bytes(x, o),
-            _ => {
-                for (o, &v) in o.chunks_exact_mut(2).zip(x) {
-                    o.copy_from_slice(&toy_quant::f32_to_bf16(v).to_le_bytes());
-                }
+        .for_each(|(o, x)| round_into(x, elem, o));
+    out
+}
+
+/// Values per parallel chunk of the activation conversions.
+const CHUNK: usize = 8192;
+
+/// [`round_to_half`] of one chunk into `o` (two bytes per value).
+fn round_into(x: &[f32], elem: Elem, o: &mut [u8]) {
+    match elem {
+        Elem::F16 => f16_bytes(x, o),
+        _ => {
+            for (o, &v) in o.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&toy_quant::f32_to_bf16(v).to_le_bytes());
             }
+        }
+    }
+}
+
+/// [`round_to_half`] widened back to f32 bytes in the same pass (each chunk rounded into a
+/// buffer that stays in L1): the operand of the 512-bit tile, which multiplies 16-bit types in
+/// f32 (`avx512::widens`). Exact: the widening of a rounded value is that value.
+#[cfg(target_arch = "x86_64")]
+fn rounded_f32(x: &[f32], elem: Elem) -> Vec<u8> {
+    let mut out = vec![0u8; x.len() * 4];
+    out.par_chunks_mut(4 * CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(o, x)| {
+            let mut half = vec![0u8; 2 * x.len()];
+            round_into(x, elem, &mut half);
+            // SAFETY: only called where `avx512::takes` found AVX-512; `x.len()` is a multiple
+            // of 16 (rows of `k`, a multiple of the 16-lane step, in chunks of 8192).
+            unsafe { avx512::widen16(&half, elem, o) };
         });
     out
 }
@@ -120,10 +145,11 @@ fn f16_bytes(x: &[f32], o: &mut [u8]) {
     }
 }
 
-/// `x[m, k] · wᵀ` as `[m, n]` for weight rows `w[n, k]`, both bytes of `elem`, in tinyBLAS's
-/// arithmetic for the llama.cpp build `isa`. The caller has checked [`applies`].
+/// `x[m, k] · wᵀ` as `[m, n]` for weight rows `w[n, k]` (bytes of `elem`), in tinyBLAS's
+/// arithmetic for the llama.cpp build `isa`: the activations are rounded to `elem` first, as
+/// llama.cpp rounds them. The caller has checked [`applies`].
 pub(super) fn matmul(
-    x: &[u8],
+    x: &[f32],
     m: usize,
     w: &[u8],
     n: usize,
@@ -132,9 +158,9 @@ pub(super) fn matmul(
     isa: GgmlIsa,
 ) -> Vec<f32> {
     debug_assert!(applies(m, n, k, isa, elem));
-    let (xrow, wrow) = (k * elem.bytes(), k * elem.bytes());
+    let wrow = k * elem.bytes();
     assert!(
-        x.len() >= m * xrow && w.len() >= n * wrow,
+        x.len() >= m * k && w.len() >= n * wrow,
         "tinyBLAS operands too short"
     );
     // Weight rows per task: a multiple of 4, about eight tasks per thread so that uneven
@@ -150,13 +176,16 @@ pub(super) fn matmul(
     let zmm = avx512::takes(elem, isa);
     // The 512-bit tile converts 16-bit operands as it loads them, and `vcvtph2ps` needs a
     // register of its own per load: a 4 × 6 tile then spills accumulators. So the activations
-    // (already rounded to `elem`) are widened to f32 once here, each group of weight rows once
-    // per task (`avx512::task`), and the f32 tile multiplies them: exact widenings, the same
-    // products and sums.
-    #[cfg(target_arch = "x86_64")]
-    let x32: Option<Vec<u8>> = (zmm && avx512::widens(elem, isa)).then(|| widen(x, elem));
-    #[cfg(target_arch = "x86_64")]
-    let x = x32.as_deref().unwrap_or(x);
+    // are rounded to `elem` and widened back to f32 in one pass here, each group of weight rows
+    // widened once per task (`avx512::task`), and the f32 tile multiplies them: exact
+    // widenings, the same products and sums.
+    let x: std::borrow::Cow<'_, [u8]> = match elem {
+        Elem::F32 => bytemuck::cast_slice(x).into(),
+        #[cfg(target_arch = "x86_64")]
+        _ if zmm && avx512::widens(elem, isa) => rounded_f32(x, elem).into(),
+        _ => round_to_half(x, elem).into(),
+    };
+    let x = &x[..];
     (0..n.div_ceil(per_task)).into_par_iter().for_each(|t| {
         let (r0, rows) = (t * per_task, per_task.min(n - t * per_task));
         let w = &w[r0 * wrow..(r0 + rows) * wrow];
@@ -175,11 +204,12 @@ pub(super) fn matmul(
             unsafe { avx2::task(w, rows, x, m, k, elem, isa, o, n) };
             return;
         }
+        // (Off the 512-bit tile, the activations are bytes of `elem` as the weights are.)
         for r in 0..rows {
             for i in 0..m {
                 let y = dot(
                     &w[r * wrow..(r + 1) * wrow],
-                    &x[i * xrow..(i + 1) * xrow],
+                    &x[i * wrow..(i + 1) * wrow],
                     elem,
                     isa,
                 );
@@ -188,21 +218,6 @@ pub(super) fn matmul(
             }
         }
     });
-    out
-}
-
-/// 16-bit values (bytes of `elem`) widened to f32 (exactly), as bytes.
-#[cfg(target_arch = "x86_64")]
-fn widen(x: &[u8], elem: Elem) -> Vec<u8> {
-    const CHUNK: usize = 8192;
-    let mut out = vec![0u8; x.len() * 2];
-    out.par_chunks_mut(4 * CHUNK)
-        .zip(x.par_chunks(2 * CHUNK))
-        .for_each(|(o, x)| {
-            for (i, o) in o.chunks_exact_mut(4).enumerate() {
-                o.copy_from_slice(&elem.value(x, i).to_le_bytes());
-            }
-        });
     out
 }
 
@@ -578,16 +593,16 @@ mod avx512 {
             if E == BF16_PAIRS {
                 return tile_pairs::<R, C>(w, x, ld, k, out, n);
             }
-            let es = if E == F32 { 4 } else { 2 };
+            // Otherwise f32 (16-bit operands arrive widened: `widens`).
             let mut acc = [[_mm512_setzero_ps(); C]; R];
             let mut l = 0;
             while l < k {
                 let mut b = [_mm512_setzero_ps(); C];
                 for j in 0..C {
-                    b[j] = load16::<E>(x.add(j * ld + l * es));
+                    b[j] = _mm512_loadu_ps(x.add(j * ld + 4 * l) as *const f32);
                 }
                 for i in 0..R {
-                    let a = load16::<E>(w.add(i * ld + l * es));
+                    let a = _mm512_loadu_ps(w.add(i * ld + 4 * l) as *const f32);
                     for j in 0..C {
                         acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
                     }
@@ -689,7 +704,7 @@ mod avx512 {
 
     /// 16-bit values widened to f32 bytes (exact): sixteen per instruction.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    fn widen16(w: &[u8], elem: Elem, out: &mut [u8]) {
+    pub(super) fn widen16(w: &[u8], elem: Elem, out: &mut [u8]) {
         assert!(out.len() >= 2 * w.len() && w.len().is_multiple_of(32));
         for (i, o) in out.chunks_exact_mut(64).take(w.len() / 32).enumerate() {
             // SAFETY: 32 bytes of `w` at `32 i` (asserted), 64 of `o`.
@@ -851,7 +866,7 @@ mod tests {
                     let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
                     let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
                     let (xb, wb) = (bytes(&x, elem), bytes(&w, elem));
-                    let got = matmul(&xb, m, &wb, n, k, elem, isa);
+                    let got = matmul(&x, m, &wb, n, k, elem, isa);
                     let rb = k * elem.bytes();
                     for i in 0..m {
                         for j in 0..n {

@@ -12,7 +12,7 @@
 //! | `qs` | 256 | nibble word `w` (bytes `4w..4w + 4`) of row `r` at word `16w + r` |
 //!
 //! So an AVX-512 kernel loads one nibble word of sixteen rows into one register, and its fifth
-//! bits as one byte mask (`flex::blocks_vnni::gemv_q5_x16`).
+//! bits as one byte mask (`flex::blocks_vnni::gemm_q5_x16`).
 
 use super::GgmlType;
 
@@ -74,29 +74,36 @@ pub(crate) fn to_x16(ty: GgmlType, rows: &[u8], row_len: usize, blocks: usize, o
 
 /// The inverse of [`to_x16`]: the sixteen rows' bytes into `rows` (row `r` at `r · row_len`).
 pub(crate) fn from_x16(ty: GgmlType, x16: &[u8], blocks: usize, row_len: usize, rows: &mut [u8]) {
+    for (r, row) in rows.chunks_exact_mut(row_len).take(16).enumerate() {
+        row_from_x16(ty, x16, blocks, r, row);
+    }
+}
+
+/// Row `r` (0..16) of a group in the X16 layout, as its GGUF bytes (`blocks` blocks), into
+/// `row`: one row read back without undoing the other fifteen.
+pub(crate) fn row_from_x16(ty: GgmlType, x16: &[u8], blocks: usize, r: usize, row: &mut [u8]) {
     let size = block_bytes(ty);
     let (at_qh, at_qs) = x16_offsets(ty);
     let fields = size - 20;
     for i in 0..blocks {
         let x = &x16[16 * size * i..16 * size * (i + 1)];
-        let mask =
-            |l: usize| u64::from_le_bytes(x[at_qh + 8 * l..at_qh + 8 * l + 8].try_into().unwrap());
-        for r in 0..16 {
-            let b = &mut rows[r * row_len + size * i..r * row_len + size * (i + 1)];
-            for f in 0..fields / 2 {
-                b[2 * f..2 * f + 2].copy_from_slice(&x[32 * f + 2 * r..32 * f + 2 * r + 2]);
+        let b = &mut row[size * i..size * (i + 1)];
+        for f in 0..fields / 2 {
+            b[2 * f..2 * f + 2].copy_from_slice(&x[32 * f + 2 * r..32 * f + 2 * r + 2]);
+        }
+        let mut qh = 0u32;
+        for l in 0..8 {
+            let mask = u64::from_le_bytes(x[at_qh + 8 * l..at_qh + 8 * l + 8].try_into().unwrap());
+            // Row r's four bits of lane l, one per value `lane_value(l, 0..4)`.
+            let bits = (mask >> (4 * r)) as u32 & 0xF;
+            for bit in 0..4 {
+                qh |= (bits >> bit & 1) << lane_value(l, bit);
             }
-            let mut qh = 0u32;
-            for l in 0..8 {
-                for bit in 0..4 {
-                    qh |= ((mask(l) >> (4 * r + bit) & 1) as u32) << lane_value(l, bit);
-                }
-            }
-            b[fields..fields + 4].copy_from_slice(&qh.to_le_bytes());
-            for w in 0..4 {
-                let at = at_qs + 4 * (16 * w + r);
-                b[fields + 4 + 4 * w..fields + 8 + 4 * w].copy_from_slice(&x[at..at + 4]);
-            }
+        }
+        b[fields..fields + 4].copy_from_slice(&qh.to_le_bytes());
+        for w in 0..4 {
+            let at = at_qs + 4 * (16 * w + r);
+            b[fields + 4 + 4 * w..fields + 8 + 4 * w].copy_from_slice(&x[at..at + 4]);
         }
     }
 }
