@@ -24,6 +24,8 @@
 #[cfg(target_os = "linux")]
 pub mod sandbox;
 
+use std::borrow::Cow;
+
 use minijinja::{Environment, Error, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
@@ -96,91 +98,95 @@ pub fn render_json(
     bos_token: &str,
     eos_token: &str,
 ) -> Result<String, ChatError> {
+    let job = RenderJob {
+        template: template.into(),
+        messages: Cow::Borrowed(messages),
+        tools: tools.map(Cow::Borrowed),
+        add_generation_prompt,
+        bos_token: bos_token.into(),
+        eos_token: eos_token.into(),
+    };
     #[cfg(target_os = "linux")]
-    return sandbox::render(&sandbox::Job {
-        template: template.to_string(),
-        messages: messages.clone(),
-        tools: tools.cloned(),
-        add_generation_prompt,
-        bos_token: bos_token.to_string(),
-        eos_token: eos_token.to_string(),
-    });
+    return sandbox::render(&job);
     #[cfg(not(target_os = "linux"))]
-    render_here(
-        template,
-        messages,
-        tools,
-        add_generation_prompt,
-        bos_token,
-        eos_token,
-    )
+    job.render_here()
 }
 
-/// [`render_json`] in this process.
-fn render_here(
-    template: &str,
-    messages: &serde_json::Value,
-    tools: Option<&serde_json::Value>,
+/// Everything one render needs: what [`render_json`] was given, borrowed there and owned where
+/// the sandbox's zygote reads a job back from its socket.
+#[derive(Serialize, Deserialize)]
+struct RenderJob<'a> {
+    template: Cow<'a, str>,
+    messages: Cow<'a, serde_json::Value>,
+    tools: Option<Cow<'a, serde_json::Value>>,
     add_generation_prompt: bool,
-    bos_token: &str,
-    eos_token: &str,
-) -> Result<String, ChatError> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.set_fuel(Some(TEMPLATE_FUEL));
-    env.add_function(
-        "raise_exception",
-        |message: String| -> Result<String, Error> {
-            Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!("{RAISED}{message}"),
-            ))
-        },
-    );
-    env.add_filter("tojson", python_tojson);
-    env.add_function("strftime_now", |format: String| {
-        crate::clock::strftime(&format, crate::clock::unix_now())
-    });
-    env.add_template("chat", template)
-        .map_err(|e| ChatError::Template(describe(&e)))?;
-    let tmpl = env
-        .get_template("chat")
-        .map_err(|e| ChatError::Template(describe(&e)))?;
-    let mut out = CappedWriter::default();
-    let messages = minijinja::Value::from_serialize(messages);
-    let ctx = match tools {
-        Some(tools) => context! {
-            messages => messages,
-            tools => minijinja::Value::from_serialize(tools),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => bos_token,
-            eos_token => eos_token,
-        },
-        None => context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => bos_token,
-            eos_token => eos_token,
-        },
-    };
-    let rendered = tmpl.render_captured_to(ctx, &mut out);
-    match rendered {
-        Ok(_) => String::from_utf8(out.bytes)
-            .map_err(|_| ChatError::Template("the template produced invalid UTF-8".into())),
-        Err(_) if out.overflowed => Err(ChatError::Template(format!(
-            "the template's output passed {} MiB; it is not a usable chat template",
-            MAX_RENDERED_BYTES >> 20
-        ))),
-        Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(ChatError::Template(format!(
-            "the template ran more than {TEMPLATE_FUEL} instructions (a runaway loop?); \
+    bos_token: Cow<'a, str>,
+    eos_token: Cow<'a, str>,
+}
+
+impl RenderJob<'_> {
+    /// The render itself, in this process.
+    fn render_here(&self) -> Result<String, ChatError> {
+        let (template, messages, tools) = (&*self.template, &*self.messages, self.tools.as_deref());
+        let (bos_token, eos_token) = (&*self.bos_token, &*self.eos_token);
+        let add_generation_prompt = self.add_generation_prompt;
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, Error> {
+                Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("{RAISED}{message}"),
+                ))
+            },
+        );
+        env.add_filter("tojson", python_tojson);
+        env.add_function("strftime_now", |format: String| {
+            crate::clock::strftime(&format, crate::clock::unix_now())
+        });
+        env.add_template("chat", template)
+            .map_err(|e| ChatError::Template(describe(&e)))?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| ChatError::Template(describe(&e)))?;
+        let mut out = CappedWriter::default();
+        let messages = minijinja::Value::from_serialize(messages);
+        let ctx = match tools {
+            Some(tools) => context! {
+                messages => messages,
+                tools => minijinja::Value::from_serialize(tools),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => bos_token,
+                eos_token => eos_token,
+            },
+            None => context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => bos_token,
+                eos_token => eos_token,
+            },
+        };
+        let rendered = tmpl.render_captured_to(ctx, &mut out);
+        match rendered {
+            Ok(_) => String::from_utf8(out.bytes)
+                .map_err(|_| ChatError::Template("the template produced invalid UTF-8".into())),
+            Err(_) if out.overflowed => Err(ChatError::Template(format!(
+                "the template's output passed {} MiB; it is not a usable chat template",
+                MAX_RENDERED_BYTES >> 20
+            ))),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(ChatError::Template(format!(
+                "the template ran more than {TEMPLATE_FUEL} instructions (a runaway loop?); \
              it is not a usable chat template"
-        ))),
-        Err(e) => Err(match raised_message(&e) {
-            Some(msg) => ChatError::Refused(msg),
-            None => ChatError::Template(describe(&e)),
-        }),
+            ))),
+            Err(e) => Err(match raised_message(&e) {
+                Some(msg) => ChatError::Refused(msg),
+                None => ChatError::Template(describe(&e)),
+            }),
+        }
     }
 }
 
@@ -318,6 +324,9 @@ fn describe(e: &Error) -> String {
 mod tests {
     use super::*;
 
+    /// A string doubled sixty times: 2⁶⁰ bytes asked for in ~300 template instructions.
+    pub(super) const DOUBLING: &str = "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
+
     const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     #[test]
@@ -392,14 +401,13 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn a_string_doubled_without_end_is_an_error_not_an_abort() {
-        let doubling = "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
-        let err = render(doubling, &[], false, "", "").unwrap_err();
+        let err = render(DOUBLING, &[], false, "", "").unwrap_err();
         assert!(
             matches!(&err, ChatError::Template(m) if m.contains("MiB")),
             "{err:?}"
         );
         // Doubling within the budget is a template's own business.
-        let few = doubling.replace("range(60)", "range(10)");
+        let few = DOUBLING.replace("range(60)", "range(10)");
         assert_eq!(render(&few, &[], false, "", "").unwrap(), "2048");
         assert_eq!(
             render(CHATML, &[ChatMessage::new("user", "Hi")], false, "", "").unwrap(),
@@ -415,8 +423,7 @@ mod tests {
         let hi = [ChatMessage::new("user", "Hi")];
         let want = "<|im_start|>user\nHi<|im_end|>\n";
         assert_eq!(render(CHATML, &hi, false, "", "").unwrap(), want);
-        let doubling = "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}";
-        assert!(render(doubling, &hi, false, "", "").is_err());
+        assert!(render(DOUBLING, &hi, false, "", "").is_err());
         let refusal = "{{ raise_exception('no') }}";
         assert!(matches!(
             render(refusal, &hi, false, "", ""),

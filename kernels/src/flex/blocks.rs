@@ -362,8 +362,8 @@ fn dot2_rows<const R: usize>(
         // SAFETY: the CPU has AVX2, FMA and F16C (`cpu_level`).
         let two = unsafe {
             match ty {
-                GgmlType::Q5_0 => w32::dot2_q5::<false>(w, y),
-                GgmlType::Q5_1 => w32::dot2_q5::<true>(w, y),
+                GgmlType::Q5_0 => w32::dot_q5_rows::<false, 2>(w, y),
+                GgmlType::Q5_1 => w32::dot_q5_rows::<true, 2>(w, y),
                 _ => return None,
             }
         };

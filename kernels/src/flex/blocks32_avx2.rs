@@ -38,35 +38,13 @@ fn q5_values(qs: &[u8], qh: u32) -> __m256i {
 /// `ggml_vec_dot_q5_0_q8_0`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_q5_0(w: &[u8], x: &QuantRow) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let sixteen = _mm256_set1_epi8(16);
-    for (i, b) in w.chunks_exact(22).enumerate() {
-        let d = f16c_at(b, 0) * x.scales[i];
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let q = _mm256_sub_epi8(q5_values(&b[6..22], qh), sixteen);
-        let p = signed_lanes(q, load_q8(&x.quants[BLOCK * i..]));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_float_8(acc)
+    dot_q5_rows::<false, 1>([w], x)[0]
 }
 
 /// `ggml_vec_dot_q5_1_q8_1`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_q5_1(w: &[u8], x: &QuantRow) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0.0f32;
-    for (i, b) in w.chunks_exact(24).enumerate() {
-        let (dx, m) = (f16c_at(b, 0), f16c_at(b, 2));
-        summs = m.mul_add(x.sums[i], summs);
-        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        let q = q5_values(&b[8..24], qh);
-        let p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(q, load_q8(&x.quants[BLOCK * i..])),
-            _mm256_set1_epi16(1),
-        );
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * x.scales[i]), acc);
-    }
-    hsum_float_8(acc) + summs
+    dot_q5_rows::<true, 1>([w], x)[0]
 }
 
 /// `dot_q5_0` for four activation rows against one weight row: each block's weights are
@@ -92,21 +70,26 @@ pub(super) fn dot_q5_0_rows4(w: &[u8], x: [&QuantRow; 4]) -> [f32; 4] {
     std::array::from_fn(|r| hsum_float_8(acc[r]))
 }
 
-/// `dot_q5_0`/`dot_q5_1` for two weight rows against one activation row (decode on AVX2 CPUs):
-/// two chains of FMAs in flight where the one-row kernel has one, the activation block loaded
-/// once for both; each row's operations are the one-row kernel's, so its bits.
+/// `dot_q5_0`/`dot_q5_1` for `R` weight rows against one activation row: `R` chains of FMAs in
+/// flight, the activation block loaded once for all (R = 2: decode on AVX2 CPUs); each row gets
+/// the one-row kernel's operations, so its bits.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot2_q5<const Q5_1: bool>(w: [&[u8]; 2], x: &QuantRow) -> [f32; 2] {
+#[inline]
+pub(super) fn dot_q5_rows<const Q5_1: bool, const R: usize>(
+    w: [&[u8]; R],
+    x: &QuantRow,
+) -> [f32; R] {
     let size = if Q5_1 { 24 } else { 22 };
     let nb = w[0].len() / size;
-    assert!(w[1].len() >= nb * size && x.quants.len() >= nb * BLOCK && x.scales.len() >= nb);
+    assert!(w.iter().all(|w| w.len() >= nb * size));
+    assert!(x.quants.len() >= nb * BLOCK && x.scales.len() >= nb);
     assert!(!Q5_1 || x.sums.len() >= nb);
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut summs = [0.0f32; 2];
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = [0.0f32; R];
     let sixteen = _mm256_set1_epi8(16);
     for i in 0..nb {
         let y = load_q8(&x.quants[BLOCK * i..]);
-        for j in 0..2 {
+        for j in 0..R {
             let b = &w[j][size * i..size * (i + 1)];
             if Q5_1 {
                 let (dx, m) = (f16c_at(b, 0), f16c_at(b, 2));
@@ -125,11 +108,10 @@ pub(super) fn dot2_q5<const Q5_1: bool>(w: [&[u8]; 2], x: &QuantRow) -> [f32; 2]
         }
     }
     // (Q5_0 adds nothing after the sum: `+ 0.0` would turn a −0.0 into +0.0.)
-    let sum = |j: usize| match Q5_1 {
+    std::array::from_fn(|j| match Q5_1 {
         true => hsum_float_8(acc[j]) + summs[j],
         false => hsum_float_8(acc[j]),
-    };
-    [sum(0), sum(1)]
+    })
 }
 
 /// [`q5_values`] with AVX-512 BW: `qh`'s 32 bits are a byte mask, so the fifth bits are one

@@ -270,13 +270,16 @@ mod avx2 {
                     _mm256_loadu_si256(x[i].quants.as_ptr().add(b * BLOCK) as *const __m256i)
                 });
                 for r in 0..R {
-                    // 1 KiB ahead (past this row's end: the next row's bytes, which follow).
-                    // A decode step loads and waits on each weight block (a 576-wide Q8_0 row
-                    // is 9 cache lines, too short a stream for the prefetcher to run ahead of):
-                    // Zen 2/3 SmolLM2 Q8_0 decode +6–20% alternated. Prefetches never fault.
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        w[r].as_ptr().wrapping_add(b * bb + 1024) as *const i8
-                    );
+                    // Decode (one activation row): 1 KiB ahead, past this row's end into the
+                    // next rows, which follow. A decode step loads and waits on each weight
+                    // block (a 576-wide Q8_0 row is 9 cache lines, too short a stream for the
+                    // prefetcher to run ahead of): Zen 2/3 SmolLM2 Q8_0 decode +6–20%
+                    // alternated. Prefill re-reads its rows from cache. Prefetches never fault.
+                    if A == 1 {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            w[r].as_ptr().wrapping_add(b * bb + 1024) as *const i8
+                        );
+                    }
                     let wq = load_weights(format, w[r].get_unchecked(b * bb..));
                     let aw = unsigned_weights(format, wq);
                     let ws = *s[r].get_unchecked(b);

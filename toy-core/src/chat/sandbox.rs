@@ -23,39 +23,13 @@ use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
-use super::ChatError;
+use super::{ChatError, RenderJob};
 
 /// How much the render's address space may grow.
 pub const MEMORY_BUDGET: u64 = 512 << 20;
 
 /// How long a render may take, wall clock (the fuel budget stops a busy loop in about a second).
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Everything one render needs: what `render_json` was given.
-#[derive(Serialize, Deserialize)]
-pub(super) struct Job {
-    pub template: String,
-    pub messages: serde_json::Value,
-    pub tools: Option<serde_json::Value>,
-    pub add_generation_prompt: bool,
-    pub bos_token: String,
-    pub eos_token: String,
-}
-
-impl Job {
-    fn render_here(&self) -> Result<String, ChatError> {
-        super::render_here(
-            &self.template,
-            &self.messages,
-            self.tools.as_ref(),
-            self.add_generation_prompt,
-            &self.bos_token,
-            &self.eos_token,
-        )
-    }
-}
 
 /// The socket to the zygote, once [`start`] made one.
 static ZYGOTE: Mutex<Option<UnixStream>> = Mutex::new(None);
@@ -83,7 +57,7 @@ pub fn start() -> std::io::Result<()> {
 /// until the parent closes the socket (or exits).
 fn zygote(mut socket: UnixStream) -> ! {
     while let Ok(frame) = read_frame(&mut socket) {
-        let reply = match serde_json::from_slice::<Job>(&frame) {
+        let reply = match serde_json::from_slice::<RenderJob>(&frame) {
             Ok(job) => encode(&isolated(|| job.render_here())),
             Err(e) => encode(&Err(ChatError::Template(format!("bad render job: {e}")))),
         };
@@ -97,7 +71,7 @@ fn zygote(mut socket: UnixStream) -> ! {
 
 /// Render `job` in a child process limited to [`MEMORY_BUDGET`] more address space: the
 /// zygote's where there is one, else a fork of this process.
-pub(super) fn render(job: &Job) -> Result<String, ChatError> {
+pub(super) fn render(job: &RenderJob<'_>) -> Result<String, ChatError> {
     {
         let mut zygote = ZYGOTE.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(socket) = zygote.as_mut() {
@@ -290,5 +264,33 @@ fn decode(reply: &[u8]) -> Result<String, ChatError> {
         _ => Err(ChatError::Template(
             "the template renderer gave no answer".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+
+    /// Without a zygote the caller forks itself, under the same limit: a runaway template is an
+    /// error, not an abort (the zygote's path: `chat::tests`).
+    #[test]
+    fn a_fork_of_the_caller_stops_a_runaway_template() {
+        let messages = serde_json::json!([]);
+        let job = |template: &'static str| RenderJob {
+            template: template.into(),
+            messages: Cow::Borrowed(&messages),
+            tools: None,
+            add_generation_prompt: false,
+            bos_token: "".into(),
+            eos_token: "".into(),
+        };
+        let err = isolated(|| job(super::super::tests::DOUBLING).render_here()).unwrap_err();
+        assert!(
+            matches!(&err, ChatError::Template(m) if m.contains("MiB")),
+            "{err:?}"
+        );
+        assert_eq!(isolated(|| job("ok").render_here()).unwrap(), "ok");
     }
 }

@@ -188,9 +188,9 @@ fn two_row_avx2_decode_dots_are_bit_identical_to_the_spec() {
             let got = unsafe {
                 match ty {
                     GgmlType::Q5_1 => {
-                        super::super::blocks32_avx2::dot2_q5::<true>([&w[0], &w[1]], y)
+                        super::super::blocks32_avx2::dot_q5_rows::<true, 2>([&w[0], &w[1]], y)
                     }
-                    _ => super::super::blocks32_avx2::dot2_q5::<false>([&w[0], &w[1]], y),
+                    _ => super::super::blocks32_avx2::dot_q5_rows::<false, 2>([&w[0], &w[1]], y),
                 }
             };
             for j in 0..2 {
