@@ -16,7 +16,7 @@ use toy_models::CausalLm;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// The model, a GGUF file.
+    /// The model: a GGUF file, or a name `toy list` prints.
     pub model: PathBuf,
     /// Prompt lengths to measure (prompt processing, one forward each).
     #[arg(short = 'p', long, value_delimiter = ',', default_value = "128")]
@@ -173,7 +173,8 @@ fn llama_bench(path: &PathBuf, args: &BenchArgs, threads: usize) -> Result<Vec<(
         .collect())
 }
 
-pub fn run(compute: Compute, args: BenchArgs) -> Result<()> {
+pub fn run(compute: Compute, mut args: BenchArgs) -> Result<()> {
+    args.model = crate::models::resolve_model(&args.model)?;
     if args.reps == 0 || args.threads == Some(0) {
         bail!("--reps and --threads must be at least 1");
     }

@@ -11,14 +11,15 @@ use toy_core::tokenizer::Tokenizer;
 
 #[derive(Args, Debug)]
 pub struct DescribeArgs {
-    /// The model, a GGUF file.
+    /// The model: a GGUF file, or a name `toy list` prints.
     pub model: PathBuf,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
 }
 
-pub fn run(args: DescribeArgs) -> Result<()> {
+pub fn run(mut args: DescribeArgs) -> Result<()> {
+    args.model = crate::models::resolve_model(&args.model)?;
     let file = GgufFile::open(&args.model)?;
     let config = ModelConfig::from_gguf(&file)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;

@@ -15,6 +15,7 @@ use toy_train::lmc::Interpolation;
 
 use crate::backend::{BackendJob, Compute, dispatch};
 use crate::infer::load_any_model;
+use crate::models::resolve_model;
 use toy_models::CausalLm;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -31,7 +32,7 @@ pub enum Method {
 pub struct EvalArgs {
     #[command(subcommand)]
     pub command: Option<EvalCommand>,
-    /// The model, a GGUF file.
+    /// The model: a GGUF file, or a name `toy list` prints.
     #[arg(required = true)]
     pub model: Option<PathBuf>,
     /// The text to evaluate on (UTF-8).
@@ -299,8 +300,12 @@ pub fn run(compute: Compute, args: EvalArgs) -> Result<()> {
             if lmc.alphas.is_empty() {
                 anyhow::bail!("give at least one α with --alphas");
             }
-            dispatch(compute, LmcJob(lmc))
+            let (a, b) = (resolve_model(&lmc.a)?, resolve_model(&lmc.b)?);
+            dispatch(compute, LmcJob(LmcArgs { a, b, ..lmc }))
         }
-        None => dispatch(compute, EvalJob(args)),
+        None => {
+            let model = args.model.as_deref().map(resolve_model).transpose()?;
+            dispatch(compute, EvalJob(EvalArgs { model, ..args }))
+        }
     }
 }

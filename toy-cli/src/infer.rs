@@ -21,7 +21,7 @@ use crate::backend::{BackendJob, Compute, dispatch};
 
 #[derive(Args, Debug, Clone)]
 pub struct InferArgs {
-    /// The model, a GGUF file.
+    /// The model: a GGUF file, or a name `toy list` prints.
     pub model: PathBuf,
     /// The prompt (special tokens such as <|im_start|> are recognized).
     #[arg(short, long)]
@@ -232,6 +232,7 @@ impl BackendJob for InferJob {
     }
 }
 
-pub fn run(compute: Compute, args: InferArgs) -> Result<()> {
+pub fn run(compute: Compute, mut args: InferArgs) -> Result<()> {
+    args.model = crate::models::resolve_model(&args.model)?;
     dispatch(compute, InferJob(args))
 }

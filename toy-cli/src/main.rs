@@ -9,7 +9,9 @@ mod convert;
 mod describe;
 mod eval;
 mod infer;
+mod list;
 mod merge;
+mod models;
 mod runs;
 mod serve;
 mod tokenize;
@@ -26,6 +28,8 @@ use crate::backend::{BackendKind, Compute, FloatKind};
 ///
 /// Examples:
 ///   toy infer model.gguf -p "The capital of France is" -n 32
+///   toy list                       (the GGUF models on this machine, and their names)
+///   toy infer qwen2.5:0.5b -p "Hi" (a name from `toy list`: Ollama, Hugging Face, LM Studio)
 ///   toy infer model.gguf --chat -p "Write a haiku about Rust"
 ///   toy --backend wgpu infer model.gguf -p "Once upon a time"
 ///   toy --backend cuda --dtype f16 infer model.gguf -p "Once upon a time"
@@ -72,6 +76,9 @@ enum Command {
     Infer(infer::InferArgs),
     /// Print the token ids of a text, as llama-tokenize does.
     Tokenize(tokenize::TokenizeArgs),
+    /// List the GGUF models on this machine (Hugging Face, Ollama and LM Studio downloads,
+    /// $TOY_MODEL_DIR, ./): the name to give the other commands, and whether toy runs each.
+    List(list::ListArgs),
     /// Print a model's architecture card: shape, RoPE, vocabulary, tensor types and sizes.
     Describe(describe::DescribeArgs),
     /// Rewrite a model with its weights in another type (metadata and tokenizer kept).
@@ -130,6 +137,7 @@ fn main() -> ExitCode {
         Command::Infer(args) => infer::run(compute, args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Describe(args) => describe::run(args),
+        Command::List(args) => list::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Bench(args) => bench::run(compute, args),
         Command::Train(args) => train::run(compute, *args),

@@ -24,7 +24,7 @@ Examples:
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"stream\":true}'")]
 pub struct ServeArgs {
-    /// The model, a GGUF file.
+    /// The model: a GGUF file, or a name `toy list` prints.
     pub model: PathBuf,
     /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
     #[arg(long, default_value = "127.0.0.1")]
@@ -124,6 +124,7 @@ impl BackendJob for ServeJob {
     }
 }
 
-pub fn run(compute: Compute, args: ServeArgs) -> Result<()> {
+pub fn run(compute: Compute, mut args: ServeArgs) -> Result<()> {
+    args.model = crate::models::resolve_model(&args.model)?;
     dispatch(compute, ServeJob(args, compute.backend))
 }

@@ -9,7 +9,7 @@ use toy_core::tokenizer::Tokenizer;
 
 #[derive(Args, Debug)]
 pub struct TokenizeArgs {
-    /// The model, a GGUF file (only its tokenizer is read).
+    /// The model: a GGUF file, or a name `toy list` prints (only its tokenizer is read).
     pub model: PathBuf,
     /// The text to tokenize.
     pub text: String,
@@ -27,7 +27,8 @@ pub struct TokenizeArgs {
     pub no_parse_special: bool,
 }
 
-pub fn run(args: TokenizeArgs) -> Result<()> {
+pub fn run(mut args: TokenizeArgs) -> Result<()> {
+    args.model = crate::models::resolve_model(&args.model)?;
     let file = GgufFile::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let ids = tokenizer.encode(&args.text, !args.no_special, !args.no_parse_special)?;
