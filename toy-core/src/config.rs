@@ -256,7 +256,7 @@ impl ModelConfig {
         // gemma2 has default caps; gemma3 only a final cap, when the file sets a nonzero one.
         let softcap = |k: &str, default: f32| -> Result<Option<f32>, ConfigError> {
             let cap = match file.get_f64(&key(k))? {
-                _ if !gemma2 && !(gemma3 && k == "final_logit_softcapping") => return Ok(None),
+                _ if !(gemma2 || gemma3 && k == "final_logit_softcapping") => return Ok(None),
                 Some(v) if gemma3 && v == 0.0 => return Ok(None),
                 None if gemma3 => return Ok(None),
                 v => v.map_or(default, |v| v as f32),
@@ -333,7 +333,7 @@ impl ModelConfig {
         let positive = |k: &str| -> Result<Option<f32>, ConfigError> {
             match file.get_f64(&key(k))? {
                 None => Ok(None),
-                Some(v) if v == 0.0 => Ok(None),
+                Some(0.0) => Ok(None),
                 Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v as f32)),
                 Some(v) => Err(ConfigError::Invalid(format!(
                     "{} = {v} must be positive",

@@ -58,8 +58,8 @@ pub fn load<B: ToyBackend>(
     let (qdim, kvdim) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
     let token_embd = embedding(file, c.d_model, c.vocab_size, device)?;
     let output = match c.tied_embeddings {
-        true => token_embd.tied_head(),
-        false => linear(file, "output.weight", c.d_model, c.vocab_size, device)?,
+        true => None,
+        false => Some(linear(file, "output.weight", c.d_model, c.vocab_size, device)?),
     };
     tick();
     let output_norm = norm(file, "output_norm.weight", c.d_model, c, device)?;

@@ -233,8 +233,10 @@ fn add_transformer_tensors<B: ToyBackend>(
     let (d, qdim, kvdim) = (c.d_model, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
     add_embedding(w, &model.token_embd, &[c.vocab_size, d])?;
     add(w, "output_norm.weight", &model.output_norm.gamma, &[d])?;
-    if !c.tied_embeddings {
-        add_linear(w, "output.weight", &model.output, &[c.vocab_size, d])?;
+    // The head the model computes with: its own matrix, or (a config asking for an untied file
+    // from a tied model) a copy of the embedding.
+    if !c.tied_embeddings || model.output.is_some() {
+        add_linear(w, "output.weight", &model.head(), &[c.vocab_size, d])?;
     }
     for (i, b) in model.blocks.iter().enumerate() {
         let name = |t: &str| format!("blk.{i}.{t}.weight");

@@ -65,7 +65,7 @@ fn param<B: Backend>(model: &mut Transformer<B>, which: Which) -> ParamMut<'_, B
         Which::Wo(l) => Matrix(dense(&mut model.blocks[l].attn.wo)),
         Which::Gate(l) => Matrix(dense(&mut mlp(&mut model.blocks[l]).gate)),
         Which::Down(l) => Matrix(dense(&mut mlp(&mut model.blocks[l]).down)),
-        Which::Output => Matrix(dense(&mut model.output)),
+        Which::Output => Matrix(dense(model.output.as_mut().expect("an untied head"))),
         Which::AttnNorm(l) => Vector(&mut model.blocks[l].attn_norm.gamma),
         Which::FfnNorm(l) => Vector(&mut model.blocks[l].ffn_norm.gamma),
         Which::OutputNorm => Vector(&mut model.output_norm.gamma),

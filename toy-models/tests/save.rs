@@ -84,13 +84,7 @@ fn save_then_load_gives_identical_logits_tied_and_wide_heads() {
     let config = LlamaConfig::new(1, 24, 2, 1, 16, 40, 31, 32).with_tied_embeddings(true);
     let device = Default::default();
     let model: Transformer<Flex> = config.init(&device);
-    // A tied model computes its output with token_embd: make the output head that copy.
-    let model = Transformer {
-        output: toy_models::QLinear::Dense(burn::module::Param::from_tensor(
-            model.token_embd.weight(),
-        )),
-        ..model
-    };
+    assert!(model.output.is_none(), "a tied head multiplies by token_embd");
     let path = temp_path("tied.gguf");
     save(&model, &config, &[], &path).unwrap();
     let file = GgufFile::open(&path).unwrap();
@@ -191,7 +185,7 @@ fn every_family_saves_in_its_base_architecture() {
     // Untied: the head as its own tensor.
     let base = GgufFile::open(models.join("tiny-gemma3.gguf")).unwrap();
     let (c, mut model) = load::<Flex>(&base, &device, |_, _| {}).unwrap();
-    model.output = model.output.dequantized();
+    model.output = Some(model.head().dequantized());
     let config = LlamaConfig::from_model_config(&c).with_tied_embeddings(false);
     let path = temp_path("gemma3-untied.gguf");
     toy_models::save_like_base(&model, &config, &base, &[], &path).unwrap();
@@ -215,4 +209,48 @@ fn every_family_saves_in_its_base_architecture() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+}
+
+/// The tied-head trap: a model made with tied embeddings (`LlamaConfig`'s default), trained in a
+/// user's own loop with burn's optimizer and saved, must reload as the model that was trained.
+/// A head holding its own copy of the embedding would train apart and be dropped on save
+/// (a tied file has no `output.weight`), so the reloaded model would answer with the stale table.
+#[test]
+fn a_trained_tied_model_saves_what_was_trained() {
+    use burn::backend::Autodiff;
+    use burn::module::AutodiffModule;
+    use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+
+    type Train = Autodiff<Flex>;
+    let config = LlamaConfig::new(1, 16, 2, 1, 8, 24, 19, 16);
+    assert!(config.tied_embeddings, "the default is a tied head");
+    let device = Default::default();
+    <Train as burn::tensor::backend::Backend>::seed(&device, 11);
+    let mut model: Transformer<Train> = config.init(&device);
+    let mut optim = SgdConfig::new().init();
+    let tokens = Tensor::<Train, 2, Int>::from_data(
+        TensorData::new(vec![1i64, 5, 9, 3, 7, 2, 11, 4], [1, 8]),
+        &device,
+    );
+    let targets = Tensor::<Train, 2, Int>::from_data(
+        TensorData::new(vec![5i64, 9, 3, 7, 2, 11, 4, 6], [1, 8]),
+        &device,
+    );
+    for _ in 0..3 {
+        let loss = model.loss(tokens.clone(), targets.clone());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(0.5, model, grads);
+    }
+    let trained = model.valid();
+    let path = temp_path("trained-tied.gguf");
+    save(&trained, &config, &[], &path).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    assert!(file.tensor("output.weight").is_none(), "tied: one table");
+    let (_, loaded) = load::<Flex>(&file, &device, |_, _| {}).unwrap();
+    let ids = [1i64, 5, 9, 3];
+    assert!(
+        logits(&trained, &ids) == logits(&loaded, &ids),
+        "the reloaded model is not the trained one"
+    );
+    std::fs::remove_file(&path).unwrap();
 }

@@ -194,10 +194,7 @@ impl ModelShape {
         Ok(())
     }
 
-    /// The model config for a vocabulary of `vocab_size` tokens. The output head is not tied to
-    /// the embedding: `LlamaConfig::init` gives a tied model's head its own copy of the weights,
-    /// which training would then update apart, so a from-scratch model is untied and the GGUF
-    /// carries `output.weight`.
+    /// The GPT-2 config for a vocabulary of `vocab_size` tokens.
     pub fn gpt2(&self, vocab_size: usize) -> Gpt2Config {
         Gpt2Config::new(
             self.n_layer,
@@ -210,6 +207,9 @@ impl ModelShape {
         .with_norm_eps(self.rms_eps)
     }
 
+    /// The llama config for a vocabulary of `vocab_size` tokens. The output head is its own
+    /// matrix, not tied to the embedding (the GGUF carries `output.weight`): the shape toy's
+    /// presets have always trained, which their checkpoints and `--resume` expect.
     pub fn llama(&self, vocab_size: usize) -> LlamaConfig {
         LlamaConfig::new(
             self.n_layer,

@@ -193,7 +193,8 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
 /// [`QLinear::dequantized`]: toy_models::QLinear::dequantized
 pub fn dequantize<B: ToyBackend>(mut model: Model<B>) -> Model<B> {
     match &mut model {
-        Model::Llama(m) => m.output = m.output.dequantized(),
+        // A tied head becomes its own f32 copy (the table itself stays packed under LoRA).
+        Model::Llama(m) => m.output = Some(m.head().dequantized()),
         Model::Gpt2(m) => m.output = m.output.dequantized(),
     }
     for block in model.lora_blocks_mut() {

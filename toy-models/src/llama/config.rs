@@ -38,7 +38,8 @@ pub struct LlamaConfig {
     /// Rotate interleaved pairs (GGUF `llama`) rather than half-split pairs.
     #[config(default = true)]
     pub rope_interleaved: bool,
-    /// The output head reuses the token embedding.
+    /// The output head multiplies by the token embedding (one table, trained through both uses
+    /// and saved once); `false` gives the head its own matrix (`output.weight`).
     #[config(default = true)]
     pub tied_embeddings: bool,
     /// Q/K/V projections have biases (qwen2).
@@ -256,11 +257,7 @@ impl LlamaConfig {
             .collect();
         let token_embd =
             TokenEmbedding::Dense(EmbeddingConfig::new(self.vocab_size, self.d_model).init(device));
-        let output = if self.tied_embeddings {
-            token_embd.tied_head()
-        } else {
-            dense(self.vocab_size, self.d_model)
-        };
+        let output = (!self.tied_embeddings).then(|| dense(self.vocab_size, self.d_model));
         let mut ropes = vec![self.rope_angles()];
         if let Some(theta) = self.rope_theta_swa {
             ropes.push(RopeAngles {
@@ -291,7 +288,7 @@ impl LlamaConfig {
         token_embd: TokenEmbedding<B>,
         blocks: Vec<Block<B>>,
         output_norm: RmsNorm<B>,
-        output: QLinear<B>,
+        output: Option<QLinear<B>>,
         ropes: Vec<RopeAngles>,
         long_rope: Option<LongRope>,
     ) -> Transformer<B> {

@@ -8,6 +8,8 @@
 //! [`QLinear`]), RMSNorm, SwiGLU, RoPE and causal attention; the rest are plain burn ops written
 //! to compute what ggml computes (see [`gelu_ggml`]).
 
+use std::borrow::Cow;
+
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
 use burn::tensor::backend::Backend;
@@ -32,7 +34,10 @@ pub struct Transformer<B: Backend> {
     pub token_embd: TokenEmbedding<B>,
     pub blocks: Vec<Block<B>>,
     pub output_norm: RmsNorm<B>,
-    pub output: QLinear<B>,
+    /// The output head's own matrix, or `None` for a tied head: then the head multiplies by
+    /// `token_embd` itself ([`Transformer::head`]), so training updates one table through both
+    /// uses and saving writes that table once, as a tied GGUF holds it.
+    pub output: Option<QLinear<B>>,
     /// How RoPE angles are computed (host-side, as llama.cpp does; not a parameter): one set,
     /// or (gemma3) a second for the sliding-window layers; each layer's attention names its set.
     #[module(skip)]
@@ -147,6 +152,15 @@ impl<B: ToyBackend> Transformer<B> {
         self.output_norm.gamma.device()
     }
 
+    /// The output head: its own matrix, or a view of the token embedding when tied (no copy;
+    /// a packed table stays packed, as llama.cpp multiplies by it).
+    pub fn head(&self) -> Cow<'_, QLinear<B>> {
+        match &self.output {
+            Some(output) => Cow::Borrowed(output),
+            None => Cow::Owned(self.token_embd.tied_head()),
+        }
+    }
+
     /// Run with a context of `n_ctx` tokens (what the KV cache may hold). This matters to
     /// LongRoPE, whose factors depend on it as in llama.cpp (`n_ctx` there).
     pub fn set_context(&mut self, n_ctx: usize) {
@@ -231,13 +245,13 @@ impl<B: ToyBackend> Transformer<B> {
         if self.final_softcap.is_some() || self.logit_scale.is_some() {
             crate::qlinear::cross_entropy(self.logits(h), targets)
         } else {
-            B::run_pass(|| self.output.cross_entropy(h, targets))
+            B::run_pass(|| self.head().cross_entropy(h, targets))
         }
     }
 
     /// The output head (granite's logit scale, gemma's final soft-cap) on final hidden states.
     pub fn logits<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
-        let mut logits = B::run_pass(|| self.output.forward(h));
+        let mut logits = B::run_pass(|| self.head().forward(h));
         if let Some(s) = self.logit_scale {
             logits = logits.mul_scalar(1.0 / s);
         }
