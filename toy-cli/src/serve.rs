@@ -64,6 +64,15 @@ pub struct ServeArgs {
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// Seconds a client has to send a request's headers, and then its body: a slower one is
+    /// disconnected (headers) or answered 408 (body), so trickling clients cannot hold
+    /// connections (slow-loris). Also how long an idle keep-alive connection stays open.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub read_timeout: f64,
+    /// Let web pages from ORIGIN call the API from a browser (repeat for several; `*` for any).
+    /// Off by default: browsers then refuse other sites' scripts the server's answers.
+    #[arg(long = "cors", value_name = "ORIGIN")]
+    pub cors: Vec<String>,
     /// Log every request as a toy/v1 event in <runs-dir>/<id>/events.jsonl.
     #[arg(long)]
     pub events: bool,
@@ -113,6 +122,8 @@ impl BackendJob for ServeJob {
             max_queue: a.max_queue,
             ctx,
             max_body_bytes: a.max_body_bytes,
+            cors_origins: a.cors,
+            read_timeout: Duration::from_secs_f64(a.read_timeout.clamp(0.1, 86400.0)),
             events_dir: a.events.then_some(a.runs_dir),
             shutdown_grace: Duration::from_secs_f64(a.shutdown_grace.clamp(0.0, 3600.0)),
             backend: backend.name().to_string(),

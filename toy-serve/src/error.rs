@@ -70,6 +70,19 @@ impl ApiError {
         .code("request_too_large")
     }
 
+    /// 408: the body did not arrive within the server's read timeout.
+    pub fn timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body did not arrive within {:.0} s (the server's --read-timeout)",
+                limit.as_secs_f64()
+            ),
+        )
+        .code("request_timeout")
+    }
+
     pub fn overloaded(capacity: usize) -> Self {
         ApiError {
             retry_after: Some(1),

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 mod gbnf;
 pub mod grammar;
+mod http;
 pub mod metrics;
 pub mod prefix_cache;
 pub mod server;
@@ -49,6 +50,11 @@ pub struct ServeOptions {
     /// Context per request (None: the model's).
     pub ctx: Option<usize>,
     pub max_body_bytes: usize,
+    /// How long a client has to send a request's headers, and then its body (`--read-timeout`):
+    /// a slower one is disconnected (headers) or answered 408 (body).
+    pub read_timeout: Duration,
+    /// Origins whose web pages may call the server (`--cors`; `*`: any). Empty: none.
+    pub cors_origins: Vec<String>,
     /// Write `toy/v1` events under this directory (`<dir>/<id>/events.jsonl`).
     pub events_dir: Option<PathBuf>,
     /// How long in-flight requests may take to finish after SIGINT/SIGTERM.
@@ -81,6 +87,8 @@ pub enum ServeError {
     Concurrency,
     #[error("--batch-tokens must be at least 1")]
     BatchTokens,
+    #[error("{0}")]
+    Options(String),
 }
 
 /// Serve `options.model` on backend `B` until SIGINT/SIGTERM. Prints
@@ -111,6 +119,7 @@ pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<
         options.max_concurrency + options.max_queue,
         options.api_key.clone(),
         options.max_body_bytes,
+        options.read_timeout,
         options.backend.clone(),
         events,
         job_tx,
@@ -171,18 +180,15 @@ async fn run_server(
     ready: oneshot::Receiver<Result<(), String>>,
     options: &ServeOptions,
 ) -> Result<(), ServeError> {
-    let app = server::router(shared.clone());
+    let app = server::with_cors(server::router(shared.clone()), &options.cors_origins)
+        .map_err(ServeError::Options)?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let server = tokio::spawn({
-        let mut stop_rx = stop_rx.clone();
-        async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stop_rx.wait_for(|s| *s).await;
-                })
-                .await
-        }
-    });
+    let server = tokio::spawn(http::serve_http(
+        listener,
+        app,
+        options.read_timeout,
+        stop_rx.clone(),
+    ));
     eprintln!(
         "toy serve: loading {} on {} …",
         options.model.display(),
@@ -245,11 +251,7 @@ async fn run_server(
             json!({"elapsed_s": started.elapsed().as_secs_f64()}),
         );
     }
-    match served {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(ServeError::Runtime(e)),
-        Err(e) => Err(ServeError::Runtime(std::io::Error::other(e))),
-    }
+    served.map_err(|e| ServeError::Runtime(std::io::Error::other(e)))
 }
 
 /// SIGINT (Ctrl-C) or SIGTERM.

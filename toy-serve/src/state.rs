@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
@@ -28,6 +28,8 @@ pub struct Shared {
     pub api_key: Option<String>,
     /// Largest request body, in bytes.
     pub max_body: usize,
+    /// How long reading a request's body may take (a trickled one gets 408).
+    pub read_timeout: Duration,
     pub backend: String,
     pub metrics: Metrics,
     pub events: Option<EventLog>,
@@ -39,6 +41,7 @@ impl Shared {
         capacity: usize,
         api_key: Option<String>,
         max_body: usize,
+        read_timeout: Duration,
         backend: String,
         events: Option<EventLog>,
         jobs: Sender<(Job, Instant)>,
@@ -51,6 +54,7 @@ impl Shared {
             capacity,
             api_key,
             max_body,
+            read_timeout,
             backend,
             metrics: Metrics::default(),
             events,

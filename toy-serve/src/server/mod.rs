@@ -66,6 +66,37 @@ pub fn router(shared: AppState) -> Router {
         .with_state(shared)
 }
 
+/// `app` answering cross-origin requests from `origins` (`--cors`; `*` is any origin): the
+/// preflight `OPTIONS` is answered before authentication, and responses carry
+/// `Access-Control-Allow-Origin`. No origins: `app` as it is, so browsers keep other sites'
+/// pages from calling the server (CORS is off by default). An origin that is not a valid header
+/// value is an error naming it.
+pub fn with_cors(app: Router, origins: &[String]) -> Result<Router, String> {
+    use axum::http::{HeaderValue, Method};
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return Ok(app);
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let values = origins
+            .iter()
+            .map(|o| {
+                HeaderValue::from_str(o.trim_end_matches('/')).map_err(|_| {
+                    format!("--cors {o:?} is not a valid origin (e.g. https://example.com)")
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        AllowOrigin::list(values)
+    };
+    let cors = CorsLayer::new()
+        .allow_origin(allow)
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]);
+    Ok(app.layer(cors))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Middleware
 

@@ -73,18 +73,27 @@ pub(super) async fn read_json<T: DeserializeOwned>(
     let mut stream = body.into_data_stream();
     let mut buf: Vec<u8> = Vec::new();
     let mut seen = 0usize;
-    while let Some(chunk) = stream.next().await {
-        let chunk: Bytes = chunk
-            .map_err(|e| ApiError::invalid(None, format!("cannot read the request body: {e}")))?;
-        seen += chunk.len();
-        if seen > limit {
-            if seen > drain_limit {
-                break;
+    // One deadline for the whole body, not per chunk: a client trickling a byte at a time
+    // would reset a per-chunk timer forever (slow-loris).
+    let read = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk: Bytes = chunk.map_err(|e| {
+                ApiError::invalid(None, format!("cannot read the request body: {e}"))
+            })?;
+            seen += chunk.len();
+            if seen > limit {
+                if seen > drain_limit {
+                    break;
+                }
+                continue;
             }
-            continue;
+            buf.extend_from_slice(&chunk);
         }
-        buf.extend_from_slice(&chunk);
-    }
+        Ok::<(), ApiError>(())
+    };
+    tokio::time::timeout(s.read_timeout, read)
+        .await
+        .map_err(|_| ApiError::timeout(s.read_timeout))??;
     if seen > limit {
         return Err(ApiError::too_large(limit));
     }

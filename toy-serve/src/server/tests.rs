@@ -15,6 +15,7 @@ fn app(api_key: Option<&str>) -> (Router, Arc<Shared>) {
         4,
         api_key.map(str::to_string),
         1024,
+        std::time::Duration::from_millis(500),
         "cpu".into(),
         None,
         tx,
@@ -120,6 +121,22 @@ async fn bad_bodies_get_openai_errors() {
     assert_eq!(body["error"]["code"], "request_too_large");
 }
 
+/// A body that stops arriving (slow-loris) is answered 408 at the read timeout, not waited
+/// for.
+#[tokio::test]
+async fn a_trickled_body_times_out() {
+    use futures_util::StreamExt;
+    let (app, shared) = app(None);
+    let first =
+        futures_util::stream::iter([Ok::<_, std::io::Error>(axum::body::Bytes::from("{\"pro"))]);
+    let body = Body::from_stream(first.chain(futures_util::stream::pending()));
+    let started = std::time::Instant::now();
+    let (status, _, body) = call(&app, post("/v1/completions", body, None)).await;
+    assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(body["error"]["code"], "request_timeout");
+    assert!(started.elapsed() >= shared.read_timeout);
+}
+
 #[tokio::test]
 async fn unknown_routes_and_methods() {
     let (app, _) = app(None);
@@ -183,4 +200,53 @@ fn admission_is_bounded_and_given_back() {
     assert!(shared.try_admit(3).is_some());
     drop(b);
     assert_eq!(shared.in_flight.load(Ordering::SeqCst), 0);
+}
+
+/// CORS is off unless asked for: no `Access-Control-Allow-Origin` by default; with `--cors`
+/// the named origin's preflight is answered (before authentication) and its requests carry
+/// the header, while another origin gets none; a malformed origin is refused.
+#[tokio::test]
+async fn cors_only_for_the_origins_given() {
+    let preflight = || {
+        HttpRequest::options("/v1/chat/completions")
+            .header("origin", "https://app.example")
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type",
+            )
+            .body(Body::empty())
+            .unwrap()
+    };
+    let health = |origin: &str| {
+        HttpRequest::get("/health")
+            .header("origin", origin)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let allowed = |headers: &HeaderMap| {
+        headers
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+
+    let (plain, _) = app(Some("secret"));
+    let (_, headers, _) = call(&plain, health("https://app.example")).await;
+    assert_eq!(allowed(&headers), None);
+    let (status, headers, _) = call(&plain, preflight()).await;
+    assert_ne!(status, StatusCode::OK);
+    assert_eq!(allowed(&headers), None);
+
+    let (plain, _) = app(Some("secret"));
+    let open = with_cors(plain, &["https://app.example/".to_string()]).unwrap();
+    let (status, headers, _) = call(&open, preflight()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(allowed(&headers).as_deref(), Some("https://app.example"));
+    let (_, headers, _) = call(&open, health("https://app.example")).await;
+    assert_eq!(allowed(&headers).as_deref(), Some("https://app.example"));
+    let (_, headers, _) = call(&open, health("https://evil.example")).await;
+    assert_eq!(allowed(&headers), None);
+
+    let (plain, _) = app(None);
+    assert!(with_cors(plain, &["bad\norigin".to_string()]).is_err());
 }
