@@ -59,7 +59,13 @@ pub fn load<B: ToyBackend>(
     let token_embd = embedding(file, c.d_model, c.vocab_size, device)?;
     let output = match c.tied_embeddings {
         true => None,
-        false => Some(linear(file, "output.weight", c.d_model, c.vocab_size, device)?),
+        false => Some(linear(
+            file,
+            "output.weight",
+            c.d_model,
+            c.vocab_size,
+            device,
+        )?),
     };
     tick();
     let output_norm = norm(file, "output_norm.weight", c.d_model, c, device)?;

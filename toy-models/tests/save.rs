@@ -84,7 +84,10 @@ fn save_then_load_gives_identical_logits_tied_and_wide_heads() {
     let config = LlamaConfig::new(1, 24, 2, 1, 16, 40, 31, 32).with_tied_embeddings(true);
     let device = Default::default();
     let model: Transformer<Flex> = config.init(&device);
-    assert!(model.output.is_none(), "a tied head multiplies by token_embd");
+    assert!(
+        model.output.is_none(),
+        "a tied head multiplies by token_embd"
+    );
     let path = temp_path("tied.gguf");
     save(&model, &config, &[], &path).unwrap();
     let file = GgufFile::open(&path).unwrap();
