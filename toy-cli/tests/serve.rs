@@ -546,6 +546,12 @@ fn load_test_32_clients_mixed_good_bad_and_disconnects() {
             "4",
             "--max-tokens",
             "4",
+            // RSS is compared between the last two waves: after one wave the allocator's
+            // high-water mark still moves by up to ~40 MiB with the interleaving of 32 clients
+            // (seen on a 2-core VM, before and after the hyper accept loop); after two it
+            // settles (third-wave growth 2–9 MiB, mostly the prefix cache filling).
+            "--waves",
+            "3",
         ],
     );
     eprintln!("load test: {out}");
