@@ -37,12 +37,7 @@ fn write(path: &Path, bytes: &[u8]) {
 
 /// A fresh, empty scratch folder for one test.
 fn scratch(tag: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("list-tests")
-        .join(format!("{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch_dir("list-tests", tag)
 }
 
 /// A home folder with the three tools' downloads, a model folder and a working directory.

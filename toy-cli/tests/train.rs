@@ -14,12 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("train-tests")
-        .join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch_dir("train-tests", name)
 }
 
 fn success(out: &Output) -> String {

@@ -57,16 +57,10 @@ pub fn load<B: ToyBackend>(
 
     let (qdim, kvdim) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
     let token_embd = embedding(file, c.d_model, c.vocab_size, device)?;
-    let output = match c.tied_embeddings {
-        true => None,
-        false => Some(linear(
-            file,
-            "output.weight",
-            c.d_model,
-            c.vocab_size,
-            device,
-        )?),
-    };
+    // A tied head has no matrix of its own: it multiplies by `token_embd` (`Transformer::head`).
+    let output = (!c.tied_embeddings)
+        .then(|| linear(file, "output.weight", c.d_model, c.vocab_size, device))
+        .transpose()?;
     tick();
     let output_norm = norm(file, "output_norm.weight", c.d_model, c, device)?;
     tick();

@@ -29,3 +29,14 @@ pub fn toy(args: &[&str]) -> Output {
 pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
+
+/// A fresh, empty scratch folder `<suite>/<name>-<pid>` under cargo's temporary directory for
+/// integration tests (what an earlier run left there is removed first).
+pub fn scratch_dir(suite: &str, name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(suite)
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
