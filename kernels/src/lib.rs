@@ -49,6 +49,20 @@ pub struct AttentionOptions {
     pub softcap: Option<f32>,
 }
 
+impl AttentionOptions {
+    /// Attention in which every query row sees all `keys` keys (an encoder's, as in ViT): the
+    /// causal limit `j <= i + q_offset` put at the last key, so no key is masked. Every
+    /// implementation clamps the visible keys at `keys`, so this needs no mode of its own.
+    pub fn full(scale: f32, keys: usize) -> Self {
+        AttentionOptions {
+            scale,
+            q_offset: keys.saturating_sub(1),
+            window: None,
+            softcap: None,
+        }
+    }
+}
+
 /// One sequence's share of [`ToyBackend::attention_batch`]: the arguments of
 /// [`ToyBackend::attention`].
 #[derive(Debug, Clone)]

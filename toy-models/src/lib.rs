@@ -17,6 +17,7 @@ pub mod lora;
 pub mod model;
 pub mod qlinear;
 pub mod save;
+pub mod vit;
 
 pub use batch::{Batch, Ran, SeqId, StepError};
 pub use cache::{KvCache, PROMPT_CHUNK, Segment};
@@ -27,3 +28,4 @@ pub use load::{LoadError, load};
 pub use model::{CausalLm, Model, load_model};
 pub use qlinear::{PackedMatrix, QLinear};
 pub use save::{SaveError, save, save_gpt2, save_like_base};
+pub use vit::{Vit, VitConfig};
