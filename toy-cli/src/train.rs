@@ -10,12 +10,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use toy_kernels::ToyBackend;
 use toy_train::config::{Arch, LoraSettings, OptimConfig};
 use toy_train::events::{Event, Record};
-use toy_train::{DataConfig, Preset, Recipe, RunDir, RunInfo, TrainConfig, TrainSetup, train};
+use toy_train::{
+    DataConfig, Preset, Recipe, RunDir, RunInfo, TrainConfig, TrainSetup, train_data_parallel,
+};
 
 use crate::backend::{BackendJob, BackendKind, Compute, FloatKind, dispatch};
 
@@ -152,6 +154,40 @@ pub struct TrainArgs {
         help_heading = "LoRA (--recipe lora|qlora)"
     )]
     pub lora_targets: Option<Vec<String>>,
+
+    /// Train data-parallel, one replica of the model per device: `cpu:0,cpu:1`,
+    /// `wgpu:0,wgpu:1` or `cuda:0,cuda:1,…` (one backend; it replaces --backend). Each replica
+    /// takes --batch-size sequences of every micro-batch and the replicas average their
+    /// gradients every step (burn's collective all-reduce), so a step sees --batch-size ×
+    /// devices × --grad-accum sequences: 2 devices at --batch-size 8 follow the curve of one
+    /// at 16. With --resume, another device count keeps the run's global batch (the
+    /// per-device batch is divided anew).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "BACKEND:N,…",
+        value_parser = parse_device,
+        help_heading = "Devices"
+    )]
+    pub devices: Vec<DeviceSpec>,
+}
+
+/// One device of `--devices`: a backend and the device's index on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub backend: BackendKind,
+    pub index: u16,
+}
+
+fn parse_device(s: &str) -> Result<DeviceSpec, String> {
+    let (name, index) = s.split_once(':').unwrap_or((s, "0"));
+    let backend = BackendKind::from_str(name, true).map_err(|_| {
+        format!("unknown backend {name:?} in {s:?} (use cpu, ndarray, wgpu, metal or cuda)")
+    })?;
+    let index = index
+        .parse()
+        .map_err(|_| format!("{s:?}: the device index after ':' must be a number"))?;
+    Ok(DeviceSpec { backend, index })
 }
 
 fn parse_arch(s: &str) -> Result<Arch, String> {
@@ -288,6 +324,7 @@ impl TrainArgs {
             c.cadence.checkpoint_every = 25;
         }
         c.recipe = recipe;
+        c.optim.devices = self.devices.len().max(1);
         c.model = c.model.clone().with_arch(self.arch.unwrap_or_default());
         let m = &mut c.model;
         set(&mut m.n_layer, self.layers);
@@ -466,7 +503,8 @@ impl BackendJob for TrainJob {
                     );
                 }
                 let run = RunDir::open(dir)?;
-                let config = run.read_config()?;
+                let mut config = run.read_config()?;
+                reshard(&mut config, args.devices.len())?;
                 (run, config)
             }
             None => new_run(&args)?,
@@ -529,8 +567,19 @@ impl BackendJob for TrainJob {
                         c.model.d_model
                     ),
                 };
+                let parallel = match c.optim.devices {
+                    1 => String::new(),
+                    n => format!(
+                        " ({n} devices × {} sequences{})",
+                        c.optim.batch_size,
+                        match c.optim.grad_accum {
+                            1 => String::new(),
+                            a => format!(" × {a} micro-batches"),
+                        }
+                    ),
+                };
                 say(format!(
-                    "{} | {} params, vocab {vocab_size}, {shape} | {data_tokens} tokens, {train_sequences} sequences of {} | {} steps × {} tokens{}",
+                    "{} | {} params, vocab {vocab_size}, {shape} | {data_tokens} tokens, {train_sequences} sequences of {} | {} steps × {} tokens{parallel}{}",
                     c.recipe,
                     human(*n_params as f64),
                     c.optim.seq_len,
@@ -582,7 +631,8 @@ impl BackendJob for TrainJob {
             show(record);
             ControlFlow::Continue(())
         };
-        let summary = train::<B>(&run, &setup, &info, &device, &mut observer)?;
+        let devices = replica_devices::<B>(&device, &args.devices, setup.config.optim.devices);
+        let summary = train_data_parallel::<B>(&run, &setup, &info, &devices, &mut observer)?;
         bar.finish_and_clear();
 
         let mut out = std::io::stderr().lock();
@@ -634,13 +684,62 @@ fn human(x: f64) -> String {
     }
 }
 
-pub fn run(compute: Compute, args: TrainArgs) -> Result<()> {
+pub fn run(mut compute: Compute, args: TrainArgs) -> Result<()> {
     if compute.dtype == FloatKind::F16 {
         bail!(
             "--dtype f16 is for inference (infer, eval, bench, serve); training keeps f32 \
              weights, gradients and optimizer state"
         );
     }
+    if let Some(first) = args.devices.first() {
+        if let Some(other) = args.devices.iter().find(|d| d.backend != first.backend) {
+            bail!(
+                "--devices: one backend for every device (got {} and {})",
+                first.backend.name(),
+                other.backend.name()
+            );
+        }
+        compute.backend = first.backend;
+    }
     let backend = compute.backend;
     dispatch(compute, TrainJob { args, backend })
+}
+
+/// The devices of a run of `replicas` replicas on `device`'s backend: those `--devices` names
+/// (by index, on the kind of device the backend was opened with), else the first `replicas`.
+fn replica_devices<B: ToyBackend>(
+    device: &B::Device,
+    named: &[DeviceSpec],
+    replicas: usize,
+) -> Vec<B::Device> {
+    use burn::tensor::backend::{Device, DeviceId};
+    let kind = device.to_id().type_id;
+    let at = |index: u16| match index {
+        0 => device.clone(),
+        i => B::Device::from_id(DeviceId::new(kind, i)),
+    };
+    match named {
+        [] => (0..replicas as u16).map(at).collect(),
+        named => named.iter().map(|d| at(d.index)).collect(),
+    }
+}
+
+/// `--devices` given with `--resume`: the run's global batch kept over another device count.
+fn reshard(config: &mut TrainConfig, devices: usize) -> Result<()> {
+    let o = &mut config.optim;
+    if devices == 0 || devices == o.devices {
+        return Ok(());
+    }
+    let rows = o.micro_batch_rows();
+    if !rows.is_multiple_of(devices) {
+        bail!(
+            "--devices: the run's micro-batch of {rows} sequences ({} × {} devices) does not split \
+             over {devices} devices; use a device count that divides {rows}",
+            o.batch_size,
+            o.devices
+        );
+    }
+    o.batch_size = rows / devices;
+    o.devices = devices;
+    Ok(())
 }

@@ -409,6 +409,122 @@ fn same_greedy_tokens(model: &Path, oracle: &Path) {
     }
 }
 
+/// Data parallel in one process: two replicas at batch 6 (burn's collective all-reduce over
+/// two Flex devices) follow the loss curve of one device at batch 12 over 20 steps of the
+/// default run, within 1e-5 per step (the sums are ordered differently, so not to the bit);
+/// the two-device run resumed from its step-10 checkpoint on one device continues that curve.
+#[test]
+fn data_parallel_follows_one_device_and_resumes_on_another_count() {
+    let runs = scratch("dp");
+    let runs_s = runs.to_str().unwrap();
+    let run = |id: &str, extra: &[&str]| {
+        let base = [
+            "train",
+            "--quiet",
+            "--steps",
+            "20",
+            "--eval-every",
+            "0",
+            "--sample-every",
+            "0",
+            "--checkpoint-every",
+            "10",
+            "--runs-dir",
+            runs_s,
+            "--run-id",
+            id,
+        ];
+        success(&toy(&[&base[..], extra].concat()));
+        events(&runs.join(id).join("events.jsonl"))
+    };
+    let close = |a: &[(u64, f64)], b: &[(u64, f64)]| {
+        assert_eq!(a.len(), b.len());
+        for ((sa, la), (sb, lb)) in a.iter().zip(b) {
+            assert_eq!(sa, sb);
+            assert!((la - lb).abs() < 1e-5, "step {sa}: {la} vs {lb}");
+        }
+    };
+    let one = run("one", &[]);
+    let two = run("two", &["--batch-size", "6", "--devices", "cpu:0,cpu:1"]);
+    let start = of_kind(&two, "run_start")[0];
+    assert_eq!(start["devices"], 2);
+    assert_eq!(start["global_batch"], 12);
+    assert_eq!(
+        start["tokens_per_step"],
+        of_kind(&one, "run_start")[0]["tokens_per_step"]
+    );
+    let (one_losses, two_losses) = (step_losses(&one), step_losses(&two));
+    assert_eq!(one_losses.len(), 20);
+    close(&one_losses, &two_losses);
+    assert_ne!(
+        one_losses[0].1, one_losses[19].1,
+        "the curve moves (the comparison means something)"
+    );
+
+    // Killed after its step-10 checkpoint, then resumed on one device.
+    let dir = runs.join("killed");
+    let mut child = common::toy_command()
+        .args([
+            "train",
+            "--quiet",
+            "--steps",
+            "20",
+            "--eval-every",
+            "0",
+            "--sample-every",
+            "0",
+        ])
+        .args([
+            "--checkpoint-every",
+            "10",
+            "--runs-dir",
+            runs_s,
+            "--run-id",
+            "killed",
+        ])
+        .args(["--batch-size", "6", "--devices", "cpu:0,cpu:1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while of_kind(&events(&dir.join("events.jsonl")), "checkpoint").is_empty() {
+        assert!(Instant::now() < deadline, "no checkpoint after 120 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended first");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL, ten steps before the next checkpoint
+    child.wait().unwrap();
+    let latest = std::fs::read_to_string(dir.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), "step-0000010");
+    let out = toy(&[
+        "train",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--devices",
+        "cpu:0,cpu:1,cpu:2,cpu:3,cpu:4",
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("does not split over 5 devices"), "{stderr}");
+    success(&toy(&[
+        "train",
+        "--quiet",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--devices",
+        "cpu:0",
+    ]));
+    let resumed = events(&dir.join("events.jsonl"));
+    let starts = of_kind(&resumed, "run_start");
+    assert_eq!(starts.len(), 2);
+    assert_eq!(starts[1]["resumed_from_step"], 10);
+    assert_eq!(starts[1]["devices"], 1);
+    assert_eq!(starts[1]["global_batch"], 12);
+    close(&one_losses, &step_losses(&resumed));
+    std::fs::remove_dir_all(&runs).unwrap();
+}
+
 #[test]
 fn train_refuses_bad_settings_before_creating_a_run() {
     let runs = scratch("bad");
@@ -420,6 +536,7 @@ fn train_refuses_bad_settings_before_creating_a_run() {
         (&["--data", "/nonexistent/file.txt"][..], "does not exist"),
         (&["--arch", "gpt2", "--kv-heads", "2"][..], "kv heads"),
         (&["--recipe", "warm-start"][..], "needs --donor"),
+        (&["--devices", "cpu:0,ndarray:0"][..], "one backend"),
     ] {
         let out = toy(&[&["train", "--runs-dir", runs_s, "--run-id", "r"], args].concat());
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -252,6 +252,14 @@ pub struct OptimConfig {
     pub epsilon: f32,
     /// Clip the global gradient norm to this value (0 = off).
     pub grad_clip: f32,
+    /// Data-parallel replicas, one per device (`--devices`): each takes `batch_size` sequences
+    /// of every micro-batch, so an optimizer step sees `batch_size × grad_accum × devices`.
+    #[serde(default = "one")]
+    pub devices: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Default for OptimConfig {
@@ -269,6 +277,7 @@ impl Default for OptimConfig {
             beta2: 0.95,
             epsilon: 1e-8,
             grad_clip: 1.0,
+            devices: 1,
         }
     }
 }
@@ -276,9 +285,14 @@ impl Default for OptimConfig {
 impl OptimConfig {
     pub fn check(&self) -> Result<(), TrainError> {
         let bad = |what: &str| Err(TrainError::Config(what.to_string()));
-        if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 || self.seq_len == 0 {
+        if self.steps == 0
+            || self.batch_size == 0
+            || self.grad_accum == 0
+            || self.seq_len == 0
+            || self.devices == 0
+        {
             return bad(
-                "steps, batch size, grad accumulation and sequence length must be positive",
+                "steps, batch size, grad accumulation, sequence length and devices must be positive",
             );
         }
         if !(self.lr > 0.0 && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
@@ -293,9 +307,19 @@ impl OptimConfig {
         Ok(())
     }
 
+    /// Sequences of one micro-batch across every replica.
+    pub fn micro_batch_rows(&self) -> usize {
+        self.batch_size * self.devices
+    }
+
+    /// Sequences per optimizer step: per-device batch × devices × accumulation.
+    pub fn global_batch(&self) -> usize {
+        self.micro_batch_rows() * self.grad_accum
+    }
+
     /// Tokens predicted per optimizer step.
     pub fn tokens_per_step(&self) -> usize {
-        self.batch_size * self.grad_accum * self.seq_len
+        self.global_batch() * self.seq_len
     }
 }
 

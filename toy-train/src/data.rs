@@ -221,6 +221,24 @@ impl Batch {
         }
     }
 
+    /// Rows `rank·(batch/parts)..(rank+1)·(batch/parts)`: a data-parallel replica's share of
+    /// a micro-batch drawn at every replica's rows together.
+    pub fn shard(&self, rank: usize, parts: usize) -> Batch {
+        assert!(
+            rank < parts && self.batch.is_multiple_of(parts),
+            "batch of {} split {parts} ways",
+            self.batch
+        );
+        let rows = self.batch / parts;
+        let width = self.seq_len + 1;
+        Batch {
+            tokens: self.tokens[rank * rows * width..(rank + 1) * rows * width].to_vec(),
+            batch: rows,
+            seq_len: self.seq_len,
+            epoch: self.epoch,
+        }
+    }
+
     /// Inputs `[batch, seq_len]` and targets `[batch, seq_len]` (the inputs shifted by one).
     pub fn tensors<B: Backend>(
         &self,
@@ -299,6 +317,17 @@ mod tests {
             data.train_batch(7, 0, 8).unwrap().tokens,
             data.train_batch(7, per_epoch, 8).unwrap().tokens
         );
+    }
+
+    #[test]
+    fn shards_partition_a_batch_in_rank_order() {
+        let data = TokenData::new((0..2001).collect(), 10, 0.0).unwrap();
+        let all = data.train_batch(3, 5, 6).unwrap();
+        let shards: Vec<Batch> = (0..3).map(|r| all.shard(r, 3)).collect();
+        assert!(shards.iter().all(|s| s.batch == 2 && s.epoch == all.epoch));
+        let joined: Vec<u32> = shards.iter().flat_map(|s| s.tokens.clone()).collect();
+        assert_eq!(joined, all.tokens);
+        assert_ne!(shards[0].tokens, shards[1].tokens);
     }
 
     #[test]

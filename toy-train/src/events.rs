@@ -54,6 +54,13 @@ pub enum Event {
         val_sequences: usize,
         /// Tokens predicted per optimizer step.
         tokens_per_step: usize,
+        /// Data-parallel replicas (one per device); 0 in logs written before data-parallel training existed.
+        #[serde(default)]
+        devices: usize,
+        /// Sequences per optimizer step: per-device batch × devices × gradient accumulation;
+        /// 0 in logs written before data-parallel training existed.
+        #[serde(default)]
+        global_batch: usize,
         resumed_from_step: Option<usize>,
     },
     /// One optimizer step finished. `step` counts from 1.

@@ -24,13 +24,14 @@ pub mod init;
 pub mod lmc;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod report;
 pub mod schedule;
 pub mod trainer;
 
 pub use checkpoint::RunDir;
 pub use config::{CadenceConfig, DataConfig, ModelShape, OptimConfig, Preset, Recipe, TrainConfig};
-pub use trainer::{RunInfo, RunSummary, TrainSetup, train};
+pub use trainer::{RunInfo, RunSummary, TrainSetup, train, train_data_parallel};
 
 /// Everything that can stop a run or an evaluation.
 #[derive(Debug, thiserror::Error)]

@@ -14,6 +14,7 @@
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::Instant;
 
 use burn::backend::Autodiff;
@@ -38,6 +39,7 @@ use crate::events::{Event, EventLog, Record};
 use crate::finetune::{Base, start_model};
 use crate::model::{DonorEmbedding, ModelSpec, Trainee, init_trainee};
 use crate::optim::{OptimRecord, TrainOptimizer, grad_norm, scale_grads};
+use crate::parallel::{self, Place};
 use crate::schedule::learning_rate;
 
 /// Everything a run needs besides the backend: the config, the tokenizer and its metadata, the
@@ -94,12 +96,12 @@ impl TrainSetup {
         };
         let tokens = tokenize_files(&tokenizer, &config.data.files)?;
         let data = TokenData::new(tokens, config.optim.seq_len, config.data.val_fraction)?;
-        if data.batches_per_epoch(config.optim.batch_size) == 0 {
+        if data.batches_per_epoch(config.optim.micro_batch_rows()) == 0 {
             return Err(TrainError::Data(format!(
-                "{} training sequences of {} tokens are fewer than one batch of {}; add text or lower --batch-size/--seq-len",
+                "{} training sequences of {} tokens are fewer than one batch of {} (--batch-size × devices); add text or lower --batch-size/--seq-len",
                 data.n_train(),
                 config.optim.seq_len,
-                config.optim.batch_size
+                config.optim.micro_batch_rows()
             )));
         }
         Ok(TrainSetup {
@@ -227,7 +229,31 @@ pub fn train<B: ToyBackend>(
     device: &B::Device,
     observer: &mut dyn FnMut(&Record) -> ControlFlow<()>,
 ) -> Result<RunSummary, TrainError> {
+    train_data_parallel::<B>(run, setup, info, std::slice::from_ref(device), observer)
+}
+
+/// [`train`] with one replica of the model per device of `devices` (as many as the config's
+/// `optim.devices`), each on its own thread: every optimizer step, each replica computes the
+/// gradients of its shard of every micro-batch, the replicas average them through burn's
+/// collective ([`crate::parallel`]), and each steps its own optimizer with the same mean — so
+/// the replicas stay equal without copying weights. The replica on `devices[0]` evaluates,
+/// samples, writes the events and the checkpoints; the others wait for its next step.
+pub fn train_data_parallel<B: ToyBackend>(
+    run: &RunDir,
+    setup: &TrainSetup,
+    info: &RunInfo,
+    devices: &[B::Device],
+    observer: &mut dyn FnMut(&Record) -> ControlFlow<()>,
+) -> Result<RunSummary, TrainError> {
     let config = &setup.config;
+    if devices.len() != config.optim.devices {
+        return Err(TrainError::Config(format!(
+            "the run has {} data-parallel replicas but {} devices were given",
+            config.optim.devices,
+            devices.len()
+        )));
+    }
+    let device = &devices[0];
     let o = &config.optim;
     let spec = setup.model_spec();
     let meta = setup.gguf_metadata(&run.id);
@@ -301,7 +327,10 @@ pub fn train<B: ToyBackend>(
         run_id: run.id.clone(),
         config: Box::new(config.clone()),
         backend: info.backend.clone(),
-        device: format!("{device:?}"),
+        device: match devices {
+            [one] => format!("{one:?}"),
+            all => format!("{all:?}"),
+        },
         seed: config.seed,
         git_revision: info.git_revision.clone(),
         toy_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -311,34 +340,134 @@ pub fn train<B: ToyBackend>(
         train_sequences: setup.data.n_train(),
         val_sequences: setup.data.n_val(),
         tokens_per_step: o.tokens_per_step(),
+        devices: o.devices,
+        global_batch: o.global_batch(),
         resumed_from_step: resumed.then_some(state.step),
     })?;
     if !resumed {
         events.emit(sample(&plain(&model), setup, 0)?)?;
     }
 
-    let cadence = &config.cadence;
-    let due = |every: usize, step: usize| every > 0 && step.is_multiple_of(every);
-    let mut last_eval = None;
-    let run_clock = Instant::now();
-    let elapsed_before = state.elapsed_s;
-    for step in state.step..o.steps {
-        let started = Instant::now();
+    // The other replicas: forks of this one's weights and optimizer state, one thread each,
+    // told each step to take by a channel (closed when this replica stops, for any reason).
+    let group = (devices.len() > 1).then(parallel::Group::<B>::open);
+    std::thread::scope(|scope| {
+        let (followers, threads): (Vec<_>, Vec<_>) = devices[1..]
+            .iter()
+            .enumerate()
+            .map(|(i, device)| {
+                let place = Place {
+                    rank: i + 1,
+                    count: devices.len(),
+                };
+                let replica = Replica {
+                    model: model.clone().fork(device),
+                    optim: TrainOptimizer::new(o).load_record(optim.to_record()),
+                    donor: setup.donor.as_ref().map(|d| d.tensor(device)),
+                    place,
+                    device: device.clone(),
+                };
+                let (steps, next) = mpsc::channel::<usize>();
+                let group = group.as_ref().expect("a group for several devices");
+                let thread = scope.spawn(move || replica.follow(setup, next, group));
+                (steps, thread)
+            })
+            .unzip();
+        let leader = Replica {
+            model,
+            optim,
+            donor,
+            place: Place {
+                rank: 0,
+                count: devices.len(),
+            },
+            device: device.clone(),
+        };
+        let ended = lead(
+            leader,
+            &followers,
+            setup,
+            run,
+            &spec,
+            &meta,
+            &mut state,
+            &mut events,
+        );
+        // Closing the channels ends the followers that wait for a step; a reset of the
+        // collective fails the all-reduce of any that went ahead without this replica.
+        drop(followers);
+        if let (Err(_), Some(group)) = (&ended, &group) {
+            while !threads.iter().all(|t| t.is_finished()) {
+                group.abort();
+                std::thread::sleep(ABORT_EVERY);
+            }
+        }
+        let mut first_error = None;
+        for thread in threads {
+            match thread.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        // A follower's own failure is the cause of the leader's (a failed all-reduce).
+        match (ended, first_error) {
+            (Ok(s), None) => Ok(s),
+            (Err(e), None) | (_, Some(e)) => Err(e),
+        }
+    })
+}
+
+/// How often a failed data-parallel run resets the collective until every replica has stopped.
+const ABORT_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// One replica of a data-parallel run (or the only one): its weights, optimizer state and the
+/// donor table of a warm start, on its device.
+struct Replica<B: ToyBackend> {
+    model: Trainee<Ad<B>>,
+    optim: TrainOptimizer<Ad<B>, Trainee<Ad<B>>>,
+    donor: Option<Tensor<Ad<B>, 2>>,
+    place: Place,
+    device: B::Device,
+}
+
+/// What an optimizer step reports (the same on every replica).
+struct StepOutcome {
+    loss: f64,
+    grad_norm: f64,
+    clipped: bool,
+    epoch: u64,
+}
+
+impl<B: ToyBackend> Replica<B> {
+    /// One optimizer step: this replica's shard of each of the step's micro-batches, the
+    /// gradients averaged with the other replicas', clipped by their global norm, one AdamW
+    /// step.
+    fn step(&mut self, setup: &TrainSetup, step: usize) -> Result<StepOutcome, TrainError> {
+        let (config, o, place) = (&setup.config, &setup.config.optim, self.place);
         let lr = learning_rate(o, step);
         let batches = (0..o.grad_accum)
             .map(|m| {
                 let g = (step * o.grad_accum + m) as u64;
-                setup.data.train_batch(config.seed, g, o.batch_size)
+                let all = setup
+                    .data
+                    .train_batch(config.seed, g, o.micro_batch_rows())?;
+                Ok(all.shard(place.rank, place.count))
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, TrainError>>()?;
         let epoch = batches[0].epoch;
         // LoRA dropout masks: a function of the seed and the step.
         lora::set_dropout_seed(
-            &mut model.model,
+            &mut self.model.model,
             config.seed ^ (step as u64).wrapping_mul(0x2545_F491_4F6C_DD1D),
         );
-        let (mut grads, loss) = accumulate_grads(&model, donor.as_ref(), &batches, device);
-        let norm = grad_norm::<Ad<B>, _>(&model, &mut grads);
+        let (grads, loss) =
+            accumulate_grads(&self.model, self.donor.as_ref(), &batches, &self.device);
+        let mut grads = place.mean_grads::<B>(grads)?;
+        let loss = place.mean_loss::<B>(loss, &self.device)?;
+        let norm = grad_norm::<Ad<B>, _>(&self.model, &mut grads);
         if !norm.is_finite() {
             return Err(TrainError::Diverged {
                 step: step + 1,
@@ -347,9 +476,94 @@ pub fn train<B: ToyBackend>(
         }
         let clipped = o.grad_clip > 0.0 && norm > o.grad_clip as f64;
         if clipped {
-            scale_grads::<Ad<B>, _>(&model, &mut grads, o.grad_clip as f64 / norm);
+            scale_grads::<Ad<B>, _>(&self.model, &mut grads, o.grad_clip as f64 / norm);
         }
-        model = optim.step(lr, model, grads);
+        // (`step` consumes the model and gives the stepped one back.)
+        let model = self.model.clone();
+        self.model = self.optim.step(lr, model, grads);
+        Ok(StepOutcome {
+            loss,
+            grad_norm: norm,
+            clipped,
+            epoch,
+        })
+    }
+
+    /// A follower's run: the steps the leader sends, until it closes the channel. A follower
+    /// that fails keeps failing the collective's pending operations until the leader has
+    /// stopped: the leader (or another follower) may be waiting in an all-reduce for it, or
+    /// enter one after a single reset.
+    fn follow(
+        mut self,
+        setup: &TrainSetup,
+        steps: mpsc::Receiver<usize>,
+        group: &parallel::Group<B>,
+    ) -> Result<(), TrainError> {
+        let mut run = || -> Result<(), TrainError> {
+            self.place.join::<B>(&self.device)?;
+            while let Ok(step) = steps.recv() {
+                self.step(setup, step)?;
+            }
+            Ok(())
+        };
+        let result = run();
+        match &result {
+            Ok(()) => self.place.leave::<B>(),
+            Err(_) => loop {
+                group.abort();
+                match steps.recv_timeout(ABORT_EVERY) {
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                    Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+                }
+            },
+        }
+        result
+    }
+}
+
+/// The leader's run: each step (sent to the followers first), then on their cadence the
+/// evaluation, the sample and the checkpoint, all from this replica.
+#[allow(clippy::too_many_arguments)]
+fn lead<B: ToyBackend>(
+    mut replica: Replica<B>,
+    followers: &[mpsc::Sender<usize>],
+    setup: &TrainSetup,
+    run: &RunDir,
+    spec: &ModelSpec,
+    meta: &[(String, Value)],
+    state: &mut TrainState,
+    events: &mut Events<'_>,
+) -> Result<RunSummary, TrainError> {
+    let (config, o) = (&setup.config, &setup.config.optim);
+    replica.place.join::<B>(&replica.device)?;
+    let donor_inner = replica.donor.as_ref().map(|d| d.clone().inner());
+    // The plain model on the inner backend: what is evaluated, sampled and saved.
+    let plain = |m: &Trainee<Ad<B>>| -> Model<B> {
+        let valid = m.valid();
+        match &donor_inner {
+            Some(d) => valid.folded(d),
+            None => valid.model,
+        }
+    };
+    let cadence = &config.cadence;
+    let due = |every: usize, step: usize| every > 0 && step.is_multiple_of(every);
+    let mut last_eval = None;
+    let run_clock = Instant::now();
+    let elapsed_before = state.elapsed_s;
+    for step in state.step..o.steps {
+        let started = Instant::now();
+        let lr = learning_rate(o, step);
+        for steps in followers {
+            // A follower that has stopped has its error waiting at the join.
+            let _ = steps.send(step);
+        }
+        let StepOutcome {
+            loss,
+            grad_norm: norm,
+            clipped,
+            epoch,
+        } = replica.step(setup, step)?;
+        let model = &replica.model;
 
         let done = step + 1;
         let tokens = o.tokens_per_step();
@@ -373,7 +587,7 @@ pub fn train<B: ToyBackend>(
         let last = done == o.steps;
         if (due(cadence.eval_every, done) || last) && setup.data.n_val() > 0 {
             let batches = setup.data.val_batches(o.batch_size, cadence.eval_batches);
-            let result = evaluate_batches(&plain(&model), &batches)?;
+            let result = evaluate_batches(&plain(model), &batches)?;
             state.last_eval_loss = Some(result.mean_nll);
             events.emit(Event::Eval {
                 step: done,
@@ -384,17 +598,22 @@ pub fn train<B: ToyBackend>(
             last_eval = Some(result);
         }
         if due(cadence.sample_every, done) || last {
-            events.emit(sample(&plain(&model), setup, done)?)?;
+            events.emit(sample(&plain(model), setup, done)?)?;
         }
         if due(cadence.checkpoint_every, done) || last {
             state.events_len = events.log.durable_len()?;
-            let valid = plain(&model);
-            let write = |_: &Path| setup.write_outputs(&valid, &spec, &meta, run);
+            let valid = plain(model);
+            let write = |_: &Path| setup.write_outputs(&valid, spec, meta, run);
             let (dir, bytes) = if setup.trains_adapters() {
                 let adapters = lora::adapters(&model.model);
-                run.write_checkpoint::<Ad<B>, _, _>(&state, &adapters, optim.to_record(), write)?
+                run.write_checkpoint::<Ad<B>, _, _>(
+                    state,
+                    &adapters,
+                    replica.optim.to_record(),
+                    write,
+                )?
             } else {
-                run.write_checkpoint::<Ad<B>, _, _>(&state, &model, optim.to_record(), write)?
+                run.write_checkpoint::<Ad<B>, _, _>(state, model, replica.optim.to_record(), write)?
             };
             events.emit(Event::Checkpoint {
                 step: done,
@@ -404,7 +623,8 @@ pub fn train<B: ToyBackend>(
             })?;
         }
         if events.stop {
-            return Ok(summary(&state, last_eval, setup.output_path(run)));
+            replica.place.leave::<B>();
+            return Ok(summary(state, last_eval, setup.output_path(run)));
         }
     }
 
@@ -415,7 +635,8 @@ pub fn train<B: ToyBackend>(
         total_tokens: state.total_tokens,
         elapsed_s: state.elapsed_s,
     })?;
-    Ok(summary(&state, last_eval, setup.output_path(run)))
+    replica.place.leave::<B>();
+    Ok(summary(state, last_eval, setup.output_path(run)))
 }
 
 fn summary(state: &TrainState, final_eval: Option<EvalResult>, model_path: PathBuf) -> RunSummary {
