@@ -221,3 +221,47 @@ fn bad_files_are_one_line_errors_naming_the_file() {
     assert!(matches!(err, VitFileError::Io { .. }), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// timm's own `vit_tiny_patch16_224` (seeded random init, 23 MB: not committed). Make it with
+/// `make_vit_fixtures.py --tiny224 DIR`, then
+/// `TOY_VIT224_DIR=DIR cargo test --release -p toy-models --test vit -- --ignored`.
+#[test]
+#[ignore = "needs TOY_VIT224_DIR from make_vit_fixtures.py --tiny224"]
+fn vit_tiny_patch16_224_matches_timm() {
+    let dir = PathBuf::from(std::env::var("TOY_VIT224_DIR").expect("TOY_VIT224_DIR"));
+    let bytes = std::fs::read(dir.join("vit_tiny_patch16_224.io.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let read = |name: &str| -> Vec<f32> {
+        let t = st.tensor(name).unwrap();
+        t.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    fn run<B: ToyBackend>(dir: &std::path::Path, images: &[f32], expected: &[f32], backend: &str) {
+        let device = B::Device::default();
+        let loaded =
+            load_safetensors::<B>(&dir.join("vit_tiny_patch16_224.safetensors"), &device).unwrap();
+        assert_eq!(loaded.config, VitConfig::timm_vit_tiny_patch16_224());
+        let x =
+            Tensor::<B, 4>::from_data(TensorData::new(images.to_vec(), [8, 3, 224, 224]), &device);
+        let start = std::time::Instant::now();
+        let got: Vec<f32> = loaded
+            .model
+            .forward(x)
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .unwrap();
+        let diff = max_abs_diff(&got, expected);
+        eprintln!(
+            "vit_tiny_patch16_224 {backend}: max |toy - timm| = {diff:.3e} ({:.2} s for 8 images)",
+            start.elapsed().as_secs_f64()
+        );
+        assert!(diff <= TOLERANCE, "{backend}: {diff}");
+    }
+    let (images, expected) = (read("images"), read("logits"));
+    run::<Flex>(&dir, &images, &expected, "cpu");
+    run::<NdArray>(&dir, &images, &expected, "ndarray");
+    run::<Wgpu>(&dir, &images, &expected, "wgpu");
+}

@@ -20,7 +20,6 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
-use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
 use toy_kernels::{AttentionOptions, ToyBackend};
@@ -285,9 +284,23 @@ impl<B: ToyBackend> VitBlock<B> {
         let attended: Tensor<B, 3> =
             Tensor::from_primitive(TensorPrimitive::Float(B::merge_heads(attended))); // [b, t, d]
         let h = x + self.proj.forward(attended);
-        let up = activation::gelu(self.fc1.forward(self.norm2.forward(h.clone())));
+        let up = gelu(self.fc1.forward(self.norm2.forward(h.clone())));
         h + self.fc2.forward(up)
     }
+}
+
+/// GELU with erf, as `torch.nn.GELU()` (timm's) computes it: `x · ½(1 + erf(x / √2))`, in
+/// tensor ops. Not burn's `activation::gelu`: its forward is this, but the default
+/// `gelu_backward` of burn 0.21 (which NdArray and the cubecl backends use; Flex has its own,
+/// exact one) is the derivative of the tanh approximation (`burn-backend`
+/// `ActivationOps::gelu_backward`), up to 8.7e-4 off the true derivative. Autodiff
+/// differentiates `erf` exactly.
+fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    x.clone()
+        * x.div_scalar(std::f64::consts::SQRT_2)
+            .erf()
+            .add_scalar(1.0)
+            .mul_scalar(0.5)
 }
 
 impl<B: ToyBackend> Vit<B> {
