@@ -265,3 +265,44 @@ fn vit_tiny_patch16_224_matches_timm() {
     run::<NdArray>(&dir, &images, &expected, "ndarray");
     run::<Wgpu>(&dir, &images, &expected, "wgpu");
 }
+
+/// The GGUF checkpoint (`vit` architecture keys) holds the same model: same shape, labels and
+/// logits; `load_vit` tells it from safetensors by its magic.
+#[test]
+fn gguf_round_trip() {
+    let device = Default::default();
+    let loaded = load_safetensors::<Flex>(&fixture("timm-vit.safetensors"), &device).unwrap();
+    let labels: Vec<String> = (0..10).map(|i| format!("label-{i}")).collect();
+    let dir = std::env::temp_dir().join(format!("toy-vit-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("vit.gguf");
+    loaded
+        .model
+        .save_gguf(&loaded.config, Some(&labels), &path)
+        .unwrap();
+    let again = toy_models::vit::gguf::load_vit::<Flex>(&path, &device).unwrap();
+    assert_eq!(again.config, loaded.config);
+    assert_eq!(again.labels.as_deref(), Some(&labels[..]));
+    assert_eq!(
+        logits(&again.model, "images", &device),
+        logits(&loaded.model, "images", &device)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A GGUF of another architecture (a llama fixture) is refused in one line naming the file.
+#[test]
+fn a_language_model_is_not_a_vit() {
+    let path = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../fixtures/models/tiny-gpt2.gguf"
+    ));
+    let err = match toy_models::vit::gguf::load_vit::<Flex>(&path, &Default::default()) {
+        Ok(_) => panic!("a gpt2 GGUF loaded as a ViT"),
+        Err(e) => e.to_string(),
+    };
+    eprintln!("{err}");
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(err.contains("`gpt2` model, not a ViT"), "{err}");
+    assert!(!err.contains('\n'), "{err}");
+}

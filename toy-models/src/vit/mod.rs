@@ -9,10 +9,12 @@
 //! a final LayerNorm. The class token's row goes through the classifier head.
 //!
 //! The linear layers and LayerNorms are GPT-2's (`crate::gpt2::{Linear, LayerNorm}`): the same
-//! ops the language models run. [`timm`] reads and writes timm's `state_dict` as safetensors.
+//! ops the language models run. [`timm`] reads and writes timm's `state_dict` as safetensors,
+//! [`gguf`] toy's own checkpoints (`general.architecture = "vit"`).
 //!
 //! Reading order: the config and its presets, the model's parts bottom-up, the forward pass.
 
+pub mod gguf;
 mod resample;
 pub mod timm;
 
