@@ -30,7 +30,7 @@ use crate::config::OptimConfig;
 
 /// Replace every gradient `g` of `grads` that belongs to a parameter of `model` by `f(g)`, `g`
 /// flattened (and passed by value, so that an elementwise op on it may run in place).
-fn map_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn map_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
     f: &mut dyn FnMut(Tensor<B::InnerBackend, 1>) -> Tensor<B::InnerBackend, 1>,

@@ -15,15 +15,20 @@
 
 use std::sync::{Mutex, MutexGuard};
 
+use burn::backend::Autodiff;
 use burn::collective::{
     self, CollectiveConfig, CollectiveError, PeerId, ReduceOperation, finish_collective, register,
     reset_collective,
 };
+use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor, TensorPrimitive};
 
+use toy_kernels::ToyBackend;
+
 use crate::TrainError;
+use crate::optim::map_grads;
 
 /// A replica's place among a run's replicas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,36 +65,41 @@ impl Place {
         }
     }
 
-    /// The mean of every replica's gradients (`B`: the inner backend, where `GradientsParams`
-    /// keeps them). Every replica gets the same tensors back, so every replica's optimizer
-    /// steps the same way.
-    pub fn mean_grads<B: Backend>(
+    /// Replace `grads` (this replica's gradients of `model`'s parameters) by their mean over
+    /// every replica, and return the mean of every replica's `loss`. Every replica gets the
+    /// same numbers back, so every replica's optimizer steps the same way.
+    ///
+    /// One all-reduce per step, of every gradient and the loss concatenated in the model's
+    /// parameter order (the same on every replica), rather than burn's per-parameter
+    /// `GradientsParams::all_reduce`: one collective round instead of one per tensor.
+    pub fn mean_over_replicas<B: ToyBackend, M: AutodiffModule<Autodiff<B>>>(
         self,
-        grads: GradientsParams,
-    ) -> Result<GradientsParams, TrainError> {
-        if self.count == 1 {
-            return Ok(grads);
-        }
-        // Parameter ids are sorted inside, so every replica reduces in the same order.
-        grads
-            .all_reduce::<B>(self.peer(), ReduceOperation::Mean)
-            .map_err(|e| collective_error("gradient all-reduce", e))
-    }
-
-    /// The mean of every replica's loss.
-    pub fn mean_loss<B: Backend>(self, loss: f64, device: &B::Device) -> Result<f64, TrainError> {
+        model: &M,
+        grads: &mut GradientsParams,
+        loss: f64,
+        device: &B::Device,
+    ) -> Result<f64, TrainError> {
         if self.count == 1 {
             return Ok(loss);
         }
-        let t = Tensor::<B, 1>::from_floats([loss as f32], device);
-        let mean = collective::all_reduce::<B>(
-            self.peer(),
-            t.into_primitive().tensor(),
-            ReduceOperation::Mean,
-        )
-        .map_err(|e| collective_error("loss all-reduce", e))?;
+        let mut parts: Vec<Tensor<B, 1>> = Vec::new();
+        map_grads::<Autodiff<B>, M>(model, grads, &mut |g| {
+            parts.push(g.clone());
+            g
+        });
+        let lens: Vec<usize> = parts.iter().map(|p| p.dims()[0]).collect();
+        parts.push(Tensor::from_floats([loss as f32], device));
+        let all = Tensor::cat(parts, 0).into_primitive().tensor();
+        let mean = collective::all_reduce::<B>(self.peer(), all, ReduceOperation::Mean)
+            .map_err(|e| collective_error("all-reduce", e))?;
         let mean = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(mean));
-        Ok(mean.into_scalar().elem::<f64>())
+        let (mut offset, mut next) = (0, lens.iter());
+        map_grads::<Autodiff<B>, M>(model, grads, &mut |_| {
+            let len = *next.next().expect("the same gradients as the first pass");
+            offset += len;
+            mean.clone().slice(offset - len..offset)
+        });
+        Ok(mean.slice(offset..offset + 1).into_scalar().elem::<f64>())
     }
 }
 

@@ -465,8 +465,8 @@ impl<B: ToyBackend> Replica<B> {
         );
         let (grads, loss) =
             accumulate_grads(&self.model, self.donor.as_ref(), &batches, &self.device);
-        let mut grads = place.mean_grads::<B>(grads)?;
-        let loss = place.mean_loss::<B>(loss, &self.device)?;
+        let (mut grads, mut loss) = (grads, loss);
+        loss = place.mean_over_replicas::<B, _>(&self.model, &mut grads, loss, &self.device)?;
         let norm = grad_norm::<Ad<B>, _>(&self.model, &mut grads);
         if !norm.is_finite() {
             return Err(TrainError::Diverged {
