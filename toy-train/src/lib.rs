@@ -12,6 +12,7 @@
 //! - [`checkpoint`]: the run directory, atomic checkpoints and `--resume`.
 //! - [`events`]: the `toy/v1` event log (`docs/events.md`).
 //! - [`eval`]: cross-entropy and perplexity with documented windowing (`toy eval`).
+//! - [`images`]: image-folder classification data (torchvision's `ImageFolder`) and transforms.
 
 pub mod adapter;
 pub mod checkpoint;
@@ -20,6 +21,7 @@ pub mod data;
 pub mod eval;
 pub mod events;
 pub mod finetune;
+pub mod images;
 pub mod init;
 pub mod lmc;
 pub mod model;
