@@ -417,8 +417,9 @@ fn same_greedy_tokens(model: &Path, oracle: &Path) {
 fn data_parallel_follows_one_device_and_resumes_on_another_count() {
     let runs = scratch("dp");
     let runs_s = runs.to_str().unwrap();
-    let run = |id: &str, extra: &[&str]| {
-        let base = [
+    // 20 steps of the default run, checkpointed at step 10, into run `id`.
+    let flags = |id: &'static str| {
+        [
             "train",
             "--quiet",
             "--steps",
@@ -433,8 +434,10 @@ fn data_parallel_follows_one_device_and_resumes_on_another_count() {
             runs_s,
             "--run-id",
             id,
-        ];
-        success(&toy(&[&base[..], extra].concat()));
+        ]
+    };
+    let run = |id: &'static str, extra: &[&str]| {
+        success(&toy(&[&flags(id)[..], extra].concat()));
         events(&runs.join(id).join("events.jsonl"))
     };
     let close = |a: &[(u64, f64)], b: &[(u64, f64)]| {
@@ -464,24 +467,7 @@ fn data_parallel_follows_one_device_and_resumes_on_another_count() {
     // Killed after its step-10 checkpoint, then resumed on one device.
     let dir = runs.join("killed");
     let mut child = common::toy_command()
-        .args([
-            "train",
-            "--quiet",
-            "--steps",
-            "20",
-            "--eval-every",
-            "0",
-            "--sample-every",
-            "0",
-        ])
-        .args([
-            "--checkpoint-every",
-            "10",
-            "--runs-dir",
-            runs_s,
-            "--run-id",
-            "killed",
-        ])
+        .args(flags("killed"))
         .args(["--batch-size", "6", "--devices", "cpu:0,cpu:1"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())

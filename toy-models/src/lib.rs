@@ -11,6 +11,7 @@ pub mod cache;
 pub mod embedding;
 pub mod generate;
 pub mod gpt2;
+pub mod host_tensors;
 pub mod llama;
 pub mod load;
 pub mod lora;

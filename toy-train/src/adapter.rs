@@ -22,10 +22,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{bf16, f16};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value, convert, tensor_to_f32};
+use toy_models::host_tensors::safetensors_f32;
 use toy_models::lora::{Adaptable, Target, permute_rows_to_gguf, permute_rows_to_hf};
 
 use crate::TrainError;
@@ -455,26 +455,11 @@ fn read_safetensors(bytes: &[u8]) -> Result<HostTensors, TrainError> {
     let file = SafeTensors::deserialize(bytes).map_err(safetensors_error)?;
     let mut out = BTreeMap::new();
     for (name, view) in file.tensors() {
-        let raw = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => raw
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::F16 => raw
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => raw
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(TrainError::Config(format!(
-                    "adapter_model.safetensors: {name} is {other:?}; only F32, F16 and BF16 are supported"
-                )));
-            }
-        };
+        let values = safetensors_f32(&view).map_err(|other| {
+            TrainError::Config(format!(
+                "adapter_model.safetensors: {name} is {other:?}; only F32, F16 and BF16 are supported"
+            ))
+        })?;
         out.insert(name, (view.shape().to_vec(), values));
     }
     Ok(out)

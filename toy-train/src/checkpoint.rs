@@ -25,8 +25,8 @@ use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
-use crate::TrainError;
 use crate::config::TrainConfig;
+use crate::{TrainError, io_err};
 
 /// Training progress saved with a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -48,11 +48,6 @@ pub struct TrainState {
 pub struct RunDir {
     pub path: PathBuf,
     pub id: String,
-}
-
-fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TrainError {
-    let what = what.into();
-    move |source| TrainError::Io { what, source }
 }
 
 impl RunDir {

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use image::imageops::FilterType;
 use toy_core::rng::SplitMix64;
 
-use crate::TrainError;
+use crate::{TrainError, io_err};
 
 /// The file extensions read as images (lower case; matched case-insensitively).
 pub const EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];
@@ -37,18 +37,11 @@ pub struct ImageFolder {
     pub samples: Vec<(PathBuf, usize)>,
 }
 
-fn io_error(path: &Path, source: std::io::Error) -> TrainError {
-    TrainError::Io {
-        what: path.display().to_string(),
-        source,
-    }
-}
-
 impl ImageFolder {
     /// List `root`'s classes and images (nothing is decoded yet).
     pub fn open(root: &Path) -> Result<Self, TrainError> {
         let mut classes: Vec<String> = std::fs::read_dir(root)
-            .map_err(|e| io_error(root, e))?
+            .map_err(io_err(root.display().to_string()))?
             .filter_map(Result::ok)
             .filter(|e| e.path().is_dir())
             .filter_map(|e| e.file_name().into_string().ok())
@@ -81,8 +74,8 @@ impl ImageFolder {
 
 /// Every image file under `dir`, any depth.
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), TrainError> {
-    for entry in std::fs::read_dir(dir).map_err(|e| io_error(dir, e))? {
-        let path = entry.map_err(|e| io_error(dir, e))?.path();
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir.display().to_string()))? {
+        let path = entry.map_err(io_err(dir.display().to_string()))?.path();
         if path.is_dir() {
             walk(&path, out)?;
         } else if path

@@ -58,3 +58,9 @@ pub enum TrainError {
     #[error("backend error: {0}")]
     Backend(String),
 }
+
+/// `map_err` for an I/O failure: `TrainError::Io` saying what was being done.
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TrainError {
+    let what = what.into();
+    move |source| TrainError::Io { what, source }
+}

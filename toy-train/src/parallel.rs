@@ -40,9 +40,6 @@ pub struct Place {
 }
 
 impl Place {
-    /// The only replica of a run on one device.
-    pub const ALONE: Place = Place { rank: 0, count: 1 };
-
     fn peer(self) -> PeerId {
         PeerId(self.rank as u32)
     }

@@ -268,21 +268,7 @@ pub fn train_data_parallel<B: ToyBackend>(
         None => init_trainee(&spec, config.seed, setup.donor.as_ref(), device)?,
     };
     let mut optim = TrainOptimizer::<Ad<B>, Trainee<Ad<B>>>::new(o);
-    // The donor's table, when the token embedding is computed from it (a warm start across
-    // widths): a constant of the graph.
-    let donor: Option<Tensor<Ad<B>, 2>> = match (&setup.donor, &model.embd_proj) {
-        (Some(d), Some(_)) => Some(d.tensor(device)),
-        _ => None,
-    };
-    let donor_inner = donor.as_ref().map(|d| d.clone().inner());
-    // The plain model on the inner backend: what is evaluated, sampled and saved.
-    let plain = |m: &Trainee<Ad<B>>| -> Model<B> {
-        let valid = m.valid();
-        match &donor_inner {
-            Some(d) => valid.folded(d),
-            None => valid.model,
-        }
-    };
+    let donor = donor_table(setup, &model, device);
     let mut state = TrainState {
         step: 0,
         total_tokens: 0,
@@ -313,7 +299,7 @@ pub fn train_data_parallel<B: ToyBackend>(
         optim = optim.load_record(optim_record);
         state = saved;
         // A kill between the checkpoint and the GGUF leaves an older model.gguf: bring it level.
-        setup.write_outputs(&plain(&model), &spec, &meta, run)?;
+        setup.write_outputs(&plain(&model, donor.as_ref()), &spec, &meta, run)?;
     } else {
         run.write_config(config)?;
     }
@@ -345,26 +331,27 @@ pub fn train_data_parallel<B: ToyBackend>(
         resumed_from_step: resumed.then_some(state.step),
     })?;
     if !resumed {
-        events.emit(sample(&plain(&model), setup, 0)?)?;
+        events.emit(sample(&plain(&model, donor.as_ref()), setup, 0)?)?;
     }
 
     // The other replicas: forks of this one's weights and optimizer state, one thread each,
     // told each step to take by a channel (closed when this replica stops, for any reason).
     let group = (devices.len() > 1).then(parallel::Group::<B>::open);
+    let place = |rank: usize| Place {
+        rank,
+        count: devices.len(),
+    };
     std::thread::scope(|scope| {
         let (followers, threads): (Vec<_>, Vec<_>) = devices[1..]
             .iter()
             .enumerate()
             .map(|(i, device)| {
-                let place = Place {
-                    rank: i + 1,
-                    count: devices.len(),
-                };
+                let model = model.clone().fork(device);
                 let replica = Replica {
-                    model: model.clone().fork(device),
+                    donor: donor_table(setup, &model, device),
+                    model,
                     optim: TrainOptimizer::new(o).load_record(optim.to_record()),
-                    donor: setup.donor.as_ref().map(|d| d.tensor(device)),
-                    place,
+                    place: place(i + 1),
                     device: device.clone(),
                 };
                 let (steps, next) = mpsc::channel::<usize>();
@@ -377,10 +364,7 @@ pub fn train_data_parallel<B: ToyBackend>(
             model,
             optim,
             donor,
-            place: Place {
-                rank: 0,
-                count: devices.len(),
-            },
+            place: place(0),
             device: device.clone(),
         };
         let ended = lead(
@@ -435,6 +419,7 @@ struct Replica<B: ToyBackend> {
 
 /// What an optimizer step reports (the same on every replica).
 struct StepOutcome {
+    lr: f64,
     loss: f64,
     grad_norm: f64,
     clipped: bool,
@@ -444,8 +429,9 @@ struct StepOutcome {
 impl<B: ToyBackend> Replica<B> {
     /// One optimizer step: this replica's shard of each of the step's micro-batches, the
     /// gradients averaged with the other replicas', clipped by their global norm, one AdamW
-    /// step.
-    fn step(&mut self, setup: &TrainSetup, step: usize) -> Result<StepOutcome, TrainError> {
+    /// step. By value: the optimizer takes the only handle on the weights, so that its
+    /// updates may reuse their buffers.
+    fn step(mut self, setup: &TrainSetup, step: usize) -> Result<(Self, StepOutcome), TrainError> {
         let (config, o, place) = (&setup.config, &setup.config.optim, self.place);
         let lr = learning_rate(o, step);
         let batches = (0..o.grad_accum)
@@ -463,10 +449,9 @@ impl<B: ToyBackend> Replica<B> {
             &mut self.model.model,
             config.seed ^ (step as u64).wrapping_mul(0x2545_F491_4F6C_DD1D),
         );
-        let (grads, loss) =
+        let (mut grads, loss) =
             accumulate_grads(&self.model, self.donor.as_ref(), &batches, &self.device);
-        let (mut grads, mut loss) = (grads, loss);
-        loss = place.mean_over_replicas::<B, _>(&self.model, &mut grads, loss, &self.device)?;
+        let loss = place.mean_over_replicas::<B, _>(&self.model, &mut grads, loss, &self.device)?;
         let norm = grad_norm::<Ad<B>, _>(&self.model, &mut grads);
         if !norm.is_finite() {
             return Err(TrainError::Diverged {
@@ -478,15 +463,28 @@ impl<B: ToyBackend> Replica<B> {
         if clipped {
             scale_grads::<Ad<B>, _>(&self.model, &mut grads, o.grad_clip as f64 / norm);
         }
-        // (`step` consumes the model and gives the stepped one back.)
-        let model = self.model.clone();
-        self.model = self.optim.step(lr, model, grads);
-        Ok(StepOutcome {
+        self.model = self.optim.step(lr, self.model, grads);
+        let outcome = StepOutcome {
+            lr,
             loss,
             grad_norm: norm,
             clipped,
             epoch,
-        })
+        };
+        Ok((self, outcome))
+    }
+
+    /// The steps the leader sends, until it closes the channel.
+    fn take_steps(
+        mut self,
+        setup: &TrainSetup,
+        steps: &mpsc::Receiver<usize>,
+    ) -> Result<(), TrainError> {
+        self.place.join::<B>(&self.device)?;
+        while let Ok(step) = steps.recv() {
+            self = self.step(setup, step)?.0;
+        }
+        Ok(())
     }
 
     /// A follower's run: the steps the leader sends, until it closes the channel. A follower
@@ -494,21 +492,15 @@ impl<B: ToyBackend> Replica<B> {
     /// stopped: the leader (or another follower) may be waiting in an all-reduce for it, or
     /// enter one after a single reset.
     fn follow(
-        mut self,
+        self,
         setup: &TrainSetup,
         steps: mpsc::Receiver<usize>,
         group: &parallel::Group<B>,
     ) -> Result<(), TrainError> {
-        let mut run = || -> Result<(), TrainError> {
-            self.place.join::<B>(&self.device)?;
-            while let Ok(step) = steps.recv() {
-                self.step(setup, step)?;
-            }
-            Ok(())
-        };
-        let result = run();
+        let place = self.place;
+        let result = self.take_steps(setup, &steps);
         match &result {
-            Ok(()) => self.place.leave::<B>(),
+            Ok(()) => place.leave::<B>(),
             Err(_) => loop {
                 group.abort();
                 match steps.recv_timeout(ABORT_EVERY) {
@@ -536,15 +528,6 @@ fn lead<B: ToyBackend>(
 ) -> Result<RunSummary, TrainError> {
     let (config, o) = (&setup.config, &setup.config.optim);
     replica.place.join::<B>(&replica.device)?;
-    let donor_inner = replica.donor.as_ref().map(|d| d.clone().inner());
-    // The plain model on the inner backend: what is evaluated, sampled and saved.
-    let plain = |m: &Trainee<Ad<B>>| -> Model<B> {
-        let valid = m.valid();
-        match &donor_inner {
-            Some(d) => valid.folded(d),
-            None => valid.model,
-        }
-    };
     let cadence = &config.cadence;
     let due = |every: usize, step: usize| every > 0 && step.is_multiple_of(every);
     let mut last_eval = None;
@@ -552,18 +535,20 @@ fn lead<B: ToyBackend>(
     let elapsed_before = state.elapsed_s;
     for step in state.step..o.steps {
         let started = Instant::now();
-        let lr = learning_rate(o, step);
         for steps in followers {
             // A follower that has stopped has its error waiting at the join.
             let _ = steps.send(step);
         }
+        let outcome;
+        (replica, outcome) = replica.step(setup, step)?;
         let StepOutcome {
+            lr,
             loss,
             grad_norm: norm,
             clipped,
             epoch,
-        } = replica.step(setup, step)?;
-        let model = &replica.model;
+        } = outcome;
+        let (model, donor) = (&replica.model, replica.donor.as_ref());
 
         let done = step + 1;
         let tokens = o.tokens_per_step();
@@ -587,7 +572,7 @@ fn lead<B: ToyBackend>(
         let last = done == o.steps;
         if (due(cadence.eval_every, done) || last) && setup.data.n_val() > 0 {
             let batches = setup.data.val_batches(o.batch_size, cadence.eval_batches);
-            let result = evaluate_batches(&plain(model), &batches)?;
+            let result = evaluate_batches(&plain(model, donor), &batches)?;
             state.last_eval_loss = Some(result.mean_nll);
             events.emit(Event::Eval {
                 step: done,
@@ -598,11 +583,11 @@ fn lead<B: ToyBackend>(
             last_eval = Some(result);
         }
         if due(cadence.sample_every, done) || last {
-            events.emit(sample(&plain(model), setup, done)?)?;
+            events.emit(sample(&plain(model, donor), setup, done)?)?;
         }
         if due(cadence.checkpoint_every, done) || last {
             state.events_len = events.log.durable_len()?;
-            let valid = plain(model);
+            let valid = plain(model, donor);
             let write = |_: &Path| setup.write_outputs(&valid, spec, meta, run);
             let (dir, bytes) = if setup.trains_adapters() {
                 let adapters = lora::adapters(&model.model);
@@ -637,6 +622,29 @@ fn lead<B: ToyBackend>(
     })?;
     replica.place.leave::<B>();
     Ok(summary(state, last_eval, setup.output_path(run)))
+}
+
+/// The donor's table on `device`, when `model`'s token embedding is computed from it (a warm
+/// start across widths): a constant of the graph.
+fn donor_table<B: ToyBackend>(
+    setup: &TrainSetup,
+    model: &Trainee<Ad<B>>,
+    device: &B::Device,
+) -> Option<Tensor<Ad<B>, 2>> {
+    match (&setup.donor, &model.embd_proj) {
+        (Some(d), Some(_)) => Some(d.tensor(device)),
+        _ => None,
+    }
+}
+
+/// The plain model on the inner backend — what is evaluated, sampled and saved: with a
+/// projection, its token embedding folded from the donor's table.
+fn plain<B: ToyBackend>(model: &Trainee<Ad<B>>, donor: Option<&Tensor<Ad<B>, 2>>) -> Model<B> {
+    let valid = model.valid();
+    match donor {
+        Some(d) => valid.folded(&d.clone().inner()),
+        None => valid.model,
+    }
 }
 
 fn summary(state: &TrainState, final_eval: Option<EvalResult>, model_path: PathBuf) -> RunSummary {

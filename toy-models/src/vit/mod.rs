@@ -269,17 +269,15 @@ pub struct Vit<B: Backend> {
 
 impl<B: ToyBackend> VitBlock<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, t, d] = x.dims();
+        let [_, t, d] = x.dims();
         let head_dim = d / self.n_head;
         let qkv = self.qkv.forward(self.norm1.forward(x.clone())); // [b, t, 3d]
         // [b, n_head, t, head_dim] for part i (0: Q, 1: K, 2: V).
         let heads = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * d, d)
-                .reshape([b, t, self.n_head, head_dim])
-                .swap_dims(1, 2)
-                .into_primitive()
-                .tensor()
+            B::split_heads(
+                qkv.clone().narrow(2, i * d, d).into_primitive().tensor(),
+                self.n_head,
+            )
         };
         let options = AttentionOptions::full(1.0 / (head_dim as f32).sqrt(), t);
         let attended = <B as ToyBackend>::attention(heads(0), heads(1), heads(2), options);

@@ -13,11 +13,11 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 use toy_kernels::ToyBackend;
 
 use super::{Vit, VitConfig};
+use crate::host_tensors::safetensors_f32;
 
 /// Metadata key holding the number of attention heads.
 pub const N_HEAD_KEY: &str = "vit.n_head";
@@ -223,25 +223,10 @@ fn values(
             want: shape.to_vec(),
         });
     }
-    let data = t.data();
-    let words = |n: usize| data.chunks_exact(n);
-    Ok(match t.dtype() {
-        Dtype::F32 => words(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => words(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => words(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(VitFileError::Dtype {
-                file: file.to_string(),
-                name: name.to_string(),
-                dtype: format!("{other:?}"),
-            });
-        }
+    safetensors_f32(&t).map_err(|dtype| VitFileError::Dtype {
+        file: file.to_string(),
+        name: name.to_string(),
+        dtype: format!("{dtype:?}"),
     })
 }
 
