@@ -1,4 +1,5 @@
-//! `toy eval`: mean cross-entropy and perplexity of a model on a text file.
+//! `toy eval`: mean cross-entropy and perplexity of a model on a text file (an image classifier
+//! on a folder of images: `crate::vision`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -35,7 +36,8 @@ pub struct EvalArgs {
     /// The model: a GGUF file, or a name `toy list` prints.
     #[arg(required = true)]
     pub model: Option<PathBuf>,
-    /// The text to evaluate on (UTF-8).
+    /// The text to evaluate on (UTF-8); for an image classifier, a folder with one sub-folder
+    /// of images per class.
     #[arg(long, required = true)]
     pub data: Option<PathBuf>,
     #[command(flatten)]
@@ -304,6 +306,12 @@ pub fn run(compute: Compute, args: EvalArgs) -> Result<()> {
             dispatch(compute, LmcJob(LmcArgs { a, b, ..lmc }))
         }
         None => {
+            // A folder of class folders: an image classifier's evaluation.
+            if let (Some(model), Some(data)) = (&args.model, &args.data)
+                && data.is_dir()
+            {
+                return crate::vision::eval(compute, model, data, args.json);
+            }
             let model = args.model.as_deref().map(resolve_model).transpose()?;
             dispatch(compute, EvalJob(EvalArgs { model, ..args }))
         }

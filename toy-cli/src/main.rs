@@ -16,6 +16,7 @@ mod runs;
 mod serve;
 mod tokenize;
 mod train;
+mod vision;
 
 use std::process::ExitCode;
 
@@ -37,7 +38,9 @@ use crate::backend::{BackendKind, Compute, FloatKind};
 ///   toy describe model.gguf
 ///   toy convert model.Q4_1.gguf model.Q8_0.gguf --to q8_0
 ///   toy train                      (a tiny model on the bundled stories, ~1 minute)
+///   toy train --arch vit-tiny      (an image classifier on the bundled digits)
 ///   toy eval model.gguf --data text.txt
+///   toy classify vit.gguf digit.png
 ///   toy serve model.gguf           (OpenAI-compatible HTTP API and a chat page)
 #[derive(Parser, Debug)]
 #[command(name = "toy", version, about, long_about = None, verbatim_doc_comment)]
@@ -88,8 +91,12 @@ enum Command {
     /// Train a model from scratch (default: the tiny preset on the bundled corpus, ~1 minute).
     // Boxed: its many flags would make every other variant as large.
     Train(Box<train::TrainArgs>),
-    /// Mean cross-entropy and perplexity of a model on a text file.
+    /// Mean cross-entropy and perplexity of a model on a text file; top-1/top-5 accuracy and a
+    /// confusion matrix of an image classifier on a folder of class folders.
     Eval(eval::EvalArgs),
+    /// Classify images with a ViT (`toy train --arch vit-tiny`, or timm weights): the most
+    /// likely classes with their probabilities.
+    Classify(vision::ClassifyArgs),
     /// Fold a LoRA adapter (GGUF or PEFT) into its base model, writing a standard GGUF.
     Merge(merge::MergeArgs),
     /// List training runs with their losses (`toy runs plot RUN…` draws their loss curves).
@@ -142,6 +149,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(compute, args),
         Command::Train(args) => train::run(compute, *args),
         Command::Eval(args) => eval::run(compute, args),
+        Command::Classify(args) => vision::classify(compute, args),
         Command::Merge(args) => merge::run(args),
         Command::Runs(args) => runs::run(args),
         Command::Serve(args) => serve::run(compute, args),

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 use crate::config::TrainConfig;
+use crate::vision::VisionConfig;
 
 /// The schema name written on every line.
 pub const SCHEMA: &str = "toy/v1";
@@ -63,6 +64,27 @@ pub enum Event {
         global_batch: usize,
         resumed_from_step: Option<usize>,
     },
+    /// An image-classification run started, or resumed (`resumed_from_step` is set). Its
+    /// `step`, `eval`, `checkpoint` and `run_end` events are those of a language-model run,
+    /// with images where those count tokens.
+    VisionRunStart {
+        run_id: String,
+        /// The whole configuration, as in `config.json`.
+        config: Box<VisionConfig>,
+        backend: String,
+        device: String,
+        seed: u64,
+        git_revision: Option<String>,
+        toy_version: String,
+        n_params: usize,
+        /// Class folders of the data.
+        n_classes: usize,
+        train_images: usize,
+        val_images: usize,
+        /// Images per optimizer step.
+        images_per_step: usize,
+        resumed_from_step: Option<usize>,
+    },
     /// One optimizer step finished. `step` counts from 1.
     Step {
         step: usize,
@@ -88,7 +110,14 @@ pub enum Event {
         step: usize,
         loss: f64,
         perplexity: f64,
+        /// Tokens scored (images, for an image classifier).
         tokens: usize,
+        /// Image classifiers: the fraction of held-out images whose top class is right, and
+        /// whose true class is among the top five.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        top1: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        top5: Option<f64>,
     },
     /// Text generated from `prompt` after `step` (step 0: before training).
     Sample {

@@ -11,8 +11,8 @@
 //! - evaluation: resize so the shorter side is `size` (bilinear), then the centre `size × size`
 //!   crop — torchvision's `Resize(size)` + `CenterCrop(size)`;
 //! - training: the same resize, then a seeded random `size × size` crop of the image padded by
-//!   `pad` zero pixels on each side and a horizontal flip with probability ½ (the CIFAR recipe:
-//!   `RandomCrop(size, padding=pad)` + `RandomHorizontalFlip()`).
+//!   `pad` zero pixels on each side and, when asked, a horizontal flip with probability ½ (the
+//!   CIFAR recipe: `RandomCrop(size, padding=pad)` + `RandomHorizontalFlip()`).
 
 use std::path::{Path, PathBuf};
 
@@ -96,9 +96,18 @@ pub struct Transform {
     pub size: usize,
     pub mean: [f32; 3],
     pub std: [f32; 3],
-    /// Training augmentation: random crop with this padding and random flips. `None`:
-    /// evaluation (centre crop, no flip).
-    pub augment: Option<usize>,
+    /// Training augmentation. `None`: evaluation (centre crop, no flip).
+    pub augment: Option<Augment>,
+}
+
+/// Seeded training augmentation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Augment {
+    /// The crop is taken from the image padded by this many zero pixels on each side.
+    pub padding: usize,
+    /// Flip horizontally with probability ½ (not for images whose meaning has a side, such as
+    /// digits).
+    pub flip: bool,
 }
 
 impl Transform {
@@ -125,10 +134,10 @@ impl Transform {
         // The crop's top-left corner in the (possibly padded) image, and the flip.
         let (x0, y0, flip) = match self.augment {
             None => (((rw - s) / 2) as isize, ((rh - s) / 2) as isize, false),
-            Some(pad) => {
+            Some(Augment { padding: pad, flip }) => {
                 let x = rng.below(rw + 2 * pad - s + 1) as isize - pad as isize;
                 let y = rng.below(rh + 2 * pad - s + 1) as isize - pad as isize;
-                (x, y, rng.below(2) == 1)
+                (x, y, flip && rng.below(2) == 1)
             }
         };
         let mut out = vec![0.0f32; 3 * s * s];
@@ -177,7 +186,7 @@ mod tests {
             .unwrap();
     }
 
-    fn identity(size: usize, augment: Option<usize>) -> Transform {
+    fn identity(size: usize, augment: Option<Augment>) -> Transform {
         Transform {
             size,
             mean: [0.0; 3],
@@ -245,7 +254,13 @@ mod tests {
         let root = scratch("augment");
         let path = root.join("a/x.png");
         png(&path, 8, 8);
-        let t = identity(8, Some(2));
+        let t = identity(
+            8,
+            Some(Augment {
+                padding: 2,
+                flip: true,
+            }),
+        );
         let draw = |seed| t.load(&path, &mut SplitMix64::new(seed)).unwrap();
         assert_eq!(draw(3), draw(3));
         let distinct: std::collections::HashSet<Vec<u32>> = (0..16)

@@ -13,6 +13,7 @@
 //! - [`events`]: the `toy/v1` event log (`docs/events.md`).
 //! - [`eval`]: cross-entropy and perplexity with documented windowing (`toy eval`).
 //! - [`images`]: image-folder classification data (torchvision's `ImageFolder`) and transforms.
+//! - [`vision`]: training and evaluating a ViT image classifier on such data.
 
 pub mod adapter;
 pub mod checkpoint;
@@ -30,6 +31,7 @@ pub mod parallel;
 pub mod report;
 pub mod schedule;
 pub mod trainer;
+pub mod vision;
 
 pub use checkpoint::RunDir;
 pub use config::{CadenceConfig, DataConfig, ModelShape, OptimConfig, Preset, Recipe, TrainConfig};

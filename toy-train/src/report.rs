@@ -73,6 +73,24 @@ pub fn summarize(run_dir: &Path) -> Result<RunSummary, TrainError> {
                 s.n_params = n_params;
                 s.steps_total = config.optim.steps;
             }
+            Event::VisionRunStart {
+                run_id,
+                config,
+                n_params,
+                ..
+            } => {
+                if s.started == 0.0 {
+                    s.started = r.time;
+                }
+                s.id = run_id;
+                s.recipe = match config.base {
+                    Some(_) => "vit-fine-tune",
+                    None => "vit",
+                }
+                .to_string();
+                s.n_params = n_params;
+                s.steps_total = config.optim.steps;
+            }
             Event::Step {
                 step,
                 loss,

@@ -579,6 +579,8 @@ fn lead<B: ToyBackend>(
                 loss: result.mean_nll,
                 perplexity: result.perplexity,
                 tokens: result.scored,
+                top1: None,
+                top5: None,
             })?;
             last_eval = Some(result);
         }
@@ -659,15 +661,15 @@ fn summary(state: &TrainState, final_eval: Option<EvalResult>, model_path: PathB
 }
 
 /// The event log and the caller's observer.
-struct Events<'a> {
-    log: EventLog,
-    observer: &'a mut dyn FnMut(&Record) -> ControlFlow<()>,
+pub(crate) struct Events<'a> {
+    pub(crate) log: EventLog,
+    pub(crate) observer: &'a mut dyn FnMut(&Record) -> ControlFlow<()>,
     /// The observer asked to stop.
-    stop: bool,
+    pub(crate) stop: bool,
 }
 
 impl Events<'_> {
-    fn emit(&mut self, event: Event) -> Result<(), TrainError> {
+    pub(crate) fn emit(&mut self, event: Event) -> Result<(), TrainError> {
         let record = event.record();
         self.log.write(&record)?;
         self.stop |= (self.observer)(&record).is_break();
