@@ -35,7 +35,12 @@ pub fn train(
     resume: Option<(RunDir, VisionConfig)>,
 ) -> Result<()> {
     let (run, config) = match resume {
-        Some(resumed) => resumed,
+        Some(resumed) => {
+            if !args.devices.is_empty() {
+                bail!("an image-classification run trains on one device; drop --devices");
+            }
+            resumed
+        }
         None => new_run(&args)?,
     };
     let job = TrainJob {

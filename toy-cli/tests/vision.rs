@@ -198,6 +198,130 @@ fn classify_reads_a_timm_safetensors() {
     );
 }
 
+/// Every backend gives the same probabilities (cpu is the reference).
+#[test]
+fn classify_agrees_across_backends() {
+    let model = root().join("fixtures/vit/timm-vit.safetensors");
+    let image = root().join("fixtures/digits/val/2/0051.png");
+    let probabilities = |backend: &str| -> Vec<f64> {
+        let out = success(&toy(&[
+            "--backend",
+            backend,
+            "classify",
+            model.to_str().unwrap(),
+            image.to_str().unwrap(),
+            "--top",
+            "10",
+            "--json",
+        ]));
+        let v: Value = serde_json::from_str(out.trim()).unwrap();
+        let mut by_class = vec![0.0; 10];
+        for t in v["top"].as_array().unwrap() {
+            by_class[t["class"].as_u64().unwrap() as usize] = t["probability"].as_f64().unwrap();
+        }
+        by_class
+    };
+    let cpu = probabilities("cpu");
+    assert!((cpu.iter().sum::<f64>() - 1.0).abs() < 1e-5, "{cpu:?}");
+    for backend in ["ndarray", "wgpu"] {
+        let other = probabilities(backend);
+        for (a, b) in cpu.iter().zip(&other) {
+            assert!((a - b).abs() < 1e-4, "{backend}: {other:?} vs cpu {cpu:?}");
+        }
+    }
+}
+
+/// `--base` fine-tunes timm's weights on data with another class count: the head is drawn anew,
+/// the run trains, and its model carries the new classes.
+#[test]
+fn fine_tunes_a_timm_checkpoint_on_new_classes() {
+    let dir = scratch("fine-tune");
+    let data = dir.join("data");
+    for (class, digit) in [("one", "1"), ("seven", "7"), ("zero", "0")] {
+        let from = root().join("fixtures/digits/train").join(digit);
+        std::fs::create_dir_all(data.join(class)).unwrap();
+        for entry in std::fs::read_dir(&from).unwrap().take(20) {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, data.join(class).join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let base = root().join("fixtures/vit/timm-vit.safetensors");
+    let runs = dir.join("runs");
+    success(&toy(&[
+        "train",
+        "--arch",
+        "vit-tiny",
+        "--base",
+        base.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--steps",
+        "6",
+        "--batch-size",
+        "16",
+        "--quiet",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-id",
+        "ft",
+    ]));
+    let log = events(&runs.join("ft/events.jsonl"));
+    let start = of_kind(&log, "vision_run_start");
+    assert_eq!(start[0]["n_classes"], 3);
+    assert_eq!(
+        start[0]["config"]["vit"]["patch_size"], 8,
+        "the base's shape"
+    );
+    assert_eq!(start[0]["val_images"], 6, "10% of each class held out");
+    assert_eq!(step_losses(&log).len(), 6);
+    let model = runs.join("ft/model.gguf");
+    let image = data
+        .join("seven")
+        .read_dir()
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let out = success(&toy(&[
+        "classify",
+        model.to_str().unwrap(),
+        image.to_str().unwrap(),
+        "--json",
+    ]));
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    let mut labels: Vec<&str> = v["top"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["label"].as_str().unwrap())
+        .collect();
+    labels.sort();
+    assert_eq!(labels, ["one", "seven", "zero"]);
+    // A model flag with --base, and a language model as the base: refused.
+    let err = failure(&toy(&[
+        "train",
+        "--arch",
+        "vit-tiny",
+        "--base",
+        base.to_str().unwrap(),
+        "--layers",
+        "2",
+    ]));
+    assert!(err.contains("--base"), "{err}");
+    let lm = root().join("fixtures/corpus/tokenizer.gguf");
+    let err = failure(&toy(&[
+        "train",
+        "--arch",
+        "vit-tiny",
+        "--base",
+        lm.to_str().unwrap(),
+    ]));
+    let named = lm.canonicalize().unwrap().display().to_string();
+    assert!(err.contains(&named), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_input_is_one_line_naming_the_file() {
     let dir = scratch("bad");

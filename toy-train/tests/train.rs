@@ -55,6 +55,7 @@ fn loss_falls_and_the_checkpoint_loads() {
             Event::Sample { .. } => "sample",
             Event::Checkpoint { .. } => "checkpoint",
             Event::RunEnd { .. } => "run_end",
+            Event::VisionRunStart { .. } => "vision_run_start",
         })
         .collect();
     assert_eq!(&kinds[..2], ["run_start", "sample"]);
