@@ -51,7 +51,7 @@ out = sys.argv[1]
 lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
 field = lambda name: next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith(name)), "?")
 flags = [f for f in field("Flags").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
-print(f"CPU: {field('Model name')}; {os.cpu_count()} CPUs; flags: {' '.join(flags)}")
+print(f"CPU: {field('Model name')}; {os.cpu_count()} CPUs; flags: {' '.join(flags)}; load average {os.getloadavg()[0]:.1f} at the end")
 print()
 print("| images | toy ms/step | PyTorch+timm ms/step | toy / PyTorch time | toy peak RSS MB | PyTorch peak RSS MB |")
 print("| --- | ---: | ---: | ---: | ---: | ---: |")
