@@ -381,11 +381,26 @@ impl TrainArgs {
         set(&mut m.n_head_kv, self.kv_heads);
         set(&mut m.d_ff, self.ffn);
         set(&mut m.context_length, self.context);
-        let o = &mut c.optim;
+        set(&mut c.optim.grad_accum, self.grad_accum);
+        set(&mut c.optim.seq_len, self.seq_len);
+        self.override_optim(&mut c.optim);
+        set(&mut c.data.val_fraction, self.val_fraction);
+        let k = &mut c.cadence;
+        set(&mut k.eval_every, self.eval_every);
+        set(&mut k.sample_every, self.sample_every);
+        set(&mut k.checkpoint_every, self.checkpoint_every);
+        if let Some(p) = &self.prompt {
+            k.sample_prompt = p.clone();
+        }
+        c
+    }
+}
+
+impl TrainArgs {
+    /// The optimization flags every kind of run shares, over `o`'s defaults.
+    pub(crate) fn override_optim(&self, o: &mut OptimConfig) {
         set(&mut o.steps, self.steps);
         set(&mut o.batch_size, self.batch_size);
-        set(&mut o.grad_accum, self.grad_accum);
-        set(&mut o.seq_len, self.seq_len);
         set(&mut o.lr, self.lr);
         set(&mut o.min_lr, self.min_lr);
         set(&mut o.warmup_steps, self.warmup);
@@ -399,19 +414,46 @@ impl TrainArgs {
         if self.steps.is_some() && self.warmup.is_none() {
             o.warmup_steps = o.warmup_steps.min(o.steps / 10);
         }
-        set(&mut c.data.val_fraction, self.val_fraction);
-        let k = &mut c.cadence;
-        set(&mut k.eval_every, self.eval_every);
-        set(&mut k.sample_every, self.sample_every);
-        set(&mut k.checkpoint_every, self.checkpoint_every);
-        if let Some(p) = &self.prompt {
-            k.sample_prompt = p.clone();
-        }
-        c
     }
 }
 
-fn set<T>(slot: &mut T, value: Option<T>) {
+/// A run's progress: a bar on a terminal; otherwise (CI, a pipe) no redraws, and `plain` says
+/// milestones are to be printed as lines.
+pub(crate) struct Progress {
+    pub bar: ProgressBar,
+    pub quiet: bool,
+    pub plain: bool,
+}
+
+impl Progress {
+    pub(crate) fn new(steps: usize, quiet: bool) -> Self {
+        let bar = ProgressBar::new(steps as u64);
+        if quiet || !std::io::stderr().is_terminal() {
+            bar.set_draw_target(ProgressDrawTarget::hidden());
+        }
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:25}] {msg} ETA {eta}")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        let plain = !quiet && bar.is_hidden();
+        Progress { bar, quiet, plain }
+    }
+
+    /// Print a line above the bar (nothing when quiet).
+    pub(crate) fn say(&self, line: String) {
+        if self.quiet {
+            return;
+        }
+        if self.bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            self.bar.println(line);
+        }
+    }
+}
+
+pub(crate) fn set<T>(slot: &mut T, value: Option<T>) {
     if let Some(v) = value {
         *slot = v;
     }
@@ -568,27 +610,9 @@ impl BackendJob for TrainJob {
             git_revision: git_revision(),
         };
 
-        let bar = ProgressBar::new(setup.config.optim.steps as u64);
-        if quiet || !std::io::stderr().is_terminal() {
-            // Not a terminal (CI, a pipe): no redraws; milestones are printed as lines.
-            bar.set_draw_target(ProgressDrawTarget::hidden());
-        }
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:25}] {msg} ETA {eta}")
-                .expect("static template")
-                .progress_chars("=> "),
-        );
-        let plain = !quiet && bar.is_hidden();
-        let say = |line: String| {
-            if quiet {
-                return;
-            }
-            if bar.is_hidden() {
-                eprintln!("{line}");
-            } else {
-                bar.println(line);
-            }
-        };
+        let progress = Progress::new(setup.config.optim.steps, quiet);
+        let (bar, plain) = (&progress.bar, progress.plain);
+        let say = |line: String| progress.say(line);
         let show = |record: &Record| match &record.event {
             Event::RunStart {
                 n_params,

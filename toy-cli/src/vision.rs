@@ -4,13 +4,12 @@
 //! With no `--data`, training uses the bundled corpus: scikit-learn's 1,797 handwritten digits
 //! (`fixtures/digits/`, compiled into the binary and written into the run directory).
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use toy_kernels::ToyBackend;
 use toy_models::vit::VitConfig;
 use toy_models::vit::gguf::load_vit;
@@ -23,7 +22,7 @@ use toy_train::vision::{ImageDataConfig, VisionConfig, class_names, eval_transfo
 use toy_train::{RunDir, RunInfo};
 
 use crate::backend::{BackendJob, Compute, dispatch};
-use crate::train::{TrainArgs, default_run_id, git_revision, human};
+use crate::train::{Progress, TrainArgs, default_run_id, git_revision, human, set};
 
 /// The bundled digits: `(train|val/<digit>/<index>.png, PNG bytes)`.
 const BUNDLED_DIGITS: &[(&str, &[u8])] = include!(concat!(env!("OUT_DIR"), "/bundled_digits.rs"));
@@ -148,7 +147,6 @@ fn new_run(args: &TrainArgs) -> Result<(RunDir, VisionConfig)> {
                 // costs a quarter of one at 32.
                 vit.image_size = 16;
             }
-            let set = |slot: &mut usize, v: Option<usize>| *slot = v.unwrap_or(*slot);
             set(&mut vit.image_size, args.image_size);
             set(&mut vit.patch_size, args.patch_size);
             set(&mut vit.n_layer, args.layers);
@@ -173,20 +171,7 @@ fn new_run(args: &TrainArgs) -> Result<(RunDir, VisionConfig)> {
         grad_clip: 1.0,
         devices: 1,
     };
-    let set_f = |slot: &mut f64, v: Option<f64>| *slot = v.unwrap_or(*slot);
-    optim.steps = args.steps.unwrap_or(optim.steps);
-    optim.batch_size = args.batch_size.unwrap_or(optim.batch_size);
-    set_f(&mut optim.lr, args.lr);
-    set_f(&mut optim.min_lr, args.min_lr);
-    optim.warmup_steps = args.warmup.unwrap_or(optim.warmup_steps);
-    optim.weight_decay = args.weight_decay.unwrap_or(optim.weight_decay);
-    optim.grad_clip = args.grad_clip.unwrap_or(optim.grad_clip);
-    if args.lr.is_some() && args.min_lr.is_none() {
-        optim.min_lr = optim.min_lr.min(optim.lr / 10.0);
-    }
-    if args.steps.is_some() && args.warmup.is_none() {
-        optim.warmup_steps = optim.warmup_steps.min(optim.steps / 10);
-    }
+    args.override_optim(&mut optim);
     let placeholder = PathBuf::from("(bundled)");
     let (train, val, val_fraction) = user.unwrap_or((placeholder, None, 0.0));
     let mut config = VisionConfig {
@@ -270,21 +255,9 @@ impl BackendJob for TrainJob {
         if !quiet {
             eprintln!("run {} ({})", run.id, run.path.display());
         }
-        let bar = ProgressBar::new(config.optim.steps as u64);
-        if quiet || !std::io::stderr().is_terminal() {
-            bar.set_draw_target(ProgressDrawTarget::hidden());
-        }
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:25}] {msg} ETA {eta}")
-                .expect("static template")
-                .progress_chars("=> "),
-        );
-        let plain = !quiet && bar.is_hidden();
-        let say = |line: String| match (quiet, bar.is_hidden()) {
-            (true, _) => {}
-            (false, true) => eprintln!("{line}"),
-            (false, false) => bar.println(line),
-        };
+        let progress = Progress::new(config.optim.steps, quiet);
+        let (bar, plain) = (&progress.bar, progress.plain);
+        let say = |line: String| progress.say(line);
         let v = &config.vit;
         let show = |record: &Record| match &record.event {
             Event::VisionRunStart {
@@ -509,27 +482,29 @@ impl BackendJob for ClassifyJob {
         let labels = class_names(vit.labels.as_deref(), vit.config.n_classes);
         let transform = eval_transform(&vit.config);
         let mut out = std::io::stdout().lock();
-        for path in &args.images {
-            let sample = (path.clone(), 0);
-            let (image, _) = to_tensors::<B>(&[&sample], &transform, &device, |_| {
+        // One forward pass per batch of images, as `toy eval` scores them.
+        let samples: Vec<(PathBuf, usize)> = args.images.iter().map(|p| (p.clone(), 0)).collect();
+        for chunk in samples.chunks(64) {
+            let (images, _) = to_tensors::<B>(chunk, &transform, &device, |_| {
                 toy_core::rng::SplitMix64::new(0)
             })?;
-            let probs = probabilities(&vit.model, image)?.remove(0);
-            let mut order: Vec<usize> = (0..probs.len()).collect();
-            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-            order.truncate(args.top.max(1));
-            if args.json {
-                let top: Vec<_> = order
-                    .iter()
-                    .map(|&c| serde_json::json!({"class": c, "label": labels[c], "probability": probs[c]}))
-                    .collect();
-                writeln!(out, "{}", serde_json::json!({"image": path, "top": top}))?;
-            } else {
-                let top: Vec<String> = order
-                    .iter()
-                    .map(|&c| format!("{} {:.1}%", labels[c], 100.0 * probs[c]))
-                    .collect();
-                writeln!(out, "{}: {}", path.display(), top.join(", "))?;
+            for ((path, _), probs) in chunk.iter().zip(probabilities(&vit.model, images)?) {
+                let mut order: Vec<usize> = (0..probs.len()).collect();
+                order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+                order.truncate(args.top.max(1));
+                if args.json {
+                    let top: Vec<_> = order
+                        .iter()
+                        .map(|&c| serde_json::json!({"class": c, "label": labels[c], "probability": probs[c]}))
+                        .collect();
+                    writeln!(out, "{}", serde_json::json!({"image": path, "top": top}))?;
+                } else {
+                    let top: Vec<String> = order
+                        .iter()
+                        .map(|&c| format!("{} {:.1}%", labels[c], 100.0 * probs[c]))
+                        .collect();
+                    writeln!(out, "{}: {}", path.display(), top.join(", "))?;
+                }
             }
         }
         Ok(())

@@ -6,42 +6,15 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 
-use common::{root, smollm2, toy};
+use common::{events, of_kind, root, smollm2, step_losses, success, toy};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 fn scratch(name: &str) -> PathBuf {
     common::scratch_dir("train-tests", name)
-}
-
-fn success(out: &Output) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "toy failed: {stderr}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The complete lines of an event log.
-fn events(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
-    complete
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    events.iter().filter(|e| e["event"] == kind).collect()
-}
-
-fn step_losses(events: &[Value]) -> Vec<(u64, f64)> {
-    of_kind(events, "step")
-        .iter()
-        .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
-        .collect()
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! A run's directory and its checkpoints.
 //!
 //! ```text
-//! runs/<id>/config.json                 the TrainConfig (written once, read by --resume)
+//! runs/<id>/config.json                 the TrainConfig or VisionConfig (written once, read by --resume)
 //! runs/<id>/events.jsonl                toy/v1 events
 //! runs/<id>/model.gguf                  the latest model, a standard llama GGUF
 //! runs/<id>/checkpoints/step-000150/    model.mpk, optim.mpk (burn records), state.json
@@ -25,11 +25,10 @@ use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
-use crate::config::TrainConfig;
 use crate::{TrainError, io_err};
 
-/// Training progress saved with a checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Training progress saved with a checkpoint (`default()`: a run that has not started).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TrainState {
     /// Optimizer steps completed.
     pub step: usize,
@@ -41,6 +40,19 @@ pub struct TrainState {
     pub events_len: u64,
     pub last_loss: Option<f64>,
     pub last_eval_loss: Option<f64>,
+}
+
+impl TrainState {
+    /// The `run_end` event of a run that finished here.
+    pub fn run_end(&self) -> crate::events::Event {
+        crate::events::Event::RunEnd {
+            step: self.step,
+            final_loss: self.last_loss,
+            final_eval_loss: self.last_eval_loss,
+            total_tokens: self.total_tokens,
+            elapsed_s: self.elapsed_s,
+        }
+    }
 }
 
 /// A run directory.
@@ -109,12 +121,15 @@ impl RunDir {
         self.path.join("checkpoints")
     }
 
-    pub fn write_config(&self, config: &TrainConfig) -> Result<(), TrainError> {
+    /// Write `config.json` (a language model's `TrainConfig`, or an image classifier's
+    /// `VisionConfig`).
+    pub fn write_config(&self, config: &impl Serialize) -> Result<(), TrainError> {
         let json = serde_json::to_vec_pretty(config).expect("a config always serializes");
         write_atomic(&self.config_path(), &json)
     }
 
-    pub fn read_config(&self) -> Result<TrainConfig, TrainError> {
+    /// Read `config.json` as `T` (`TrainConfig`, `VisionConfig`, or any JSON value).
+    pub fn read_config<T: serde::de::DeserializeOwned>(&self) -> Result<T, TrainError> {
         let path = self.config_path();
         let bytes = fs::read(&path).map_err(io_err(format!("cannot read {}", path.display())))?;
         serde_json::from_slice(&bytes).map_err(|e| {

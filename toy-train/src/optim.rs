@@ -26,6 +26,7 @@ use burn::tensor::{ElementConversion, Tensor, TensorPrimitive};
 use toy_kernels::{AdamWStep, ToyBackend};
 use toy_models::Transformer;
 
+use crate::TrainError;
 use crate::config::OptimConfig;
 
 /// Replace every gradient `g` of `grads` that belongs to a parameter of `model` by `f(g)`, `g`
@@ -73,6 +74,32 @@ where
     });
     // One read back to the host per step.
     sum.map_or(0.0, |s| s.into_scalar().elem::<f64>().sqrt())
+}
+
+/// Clip the gradients to the global norm `clip` (0: no clipping) before optimizer step
+/// `step` (from 0): their norm before clipping and whether they were scaled down; a non-finite
+/// norm is [`TrainError::Diverged`].
+pub fn clip_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    clip: f32,
+    step: usize,
+) -> Result<(f64, bool), TrainError>
+where
+    B::InnerBackend: ToyBackend,
+{
+    let norm = grad_norm::<B, M>(model, grads);
+    if !norm.is_finite() {
+        return Err(TrainError::Diverged {
+            step: step + 1,
+            grad_norm: norm,
+        });
+    }
+    let clipped = clip > 0.0 && norm > clip as f64;
+    if clipped {
+        scale_grads::<B, M>(model, grads, clip as f64 / norm);
+    }
+    Ok((norm, clipped))
 }
 
 /// Scale every gradient by `factor`.

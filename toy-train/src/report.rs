@@ -29,6 +29,26 @@ pub struct RunSummary {
     pub elapsed_s: f64,
 }
 
+impl RunSummary {
+    /// A `run_start` (or `vision_run_start`) at `time`: the first one dates the run.
+    fn started(
+        &mut self,
+        time: f64,
+        id: String,
+        recipe: &str,
+        preset: Option<String>,
+        n_params: usize,
+    ) {
+        if self.started == 0.0 {
+            self.started = time;
+        }
+        self.id = id;
+        self.recipe = recipe.to_string();
+        self.preset = preset;
+        self.n_params = n_params;
+    }
+}
+
 /// Loss over steps of one run.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Curve {
@@ -64,13 +84,8 @@ pub fn summarize(run_dir: &Path) -> Result<RunSummary, TrainError> {
                 n_params,
                 ..
             } => {
-                if s.started == 0.0 {
-                    s.started = r.time;
-                }
-                s.id = run_id;
-                s.recipe = config.recipe.name().to_string();
-                s.preset = config.preset.map(|p| format!("{p:?}").to_lowercase());
-                s.n_params = n_params;
+                let preset = config.preset.map(|p| format!("{p:?}").to_lowercase());
+                s.started(r.time, run_id, config.recipe.name(), preset, n_params);
                 s.steps_total = config.optim.steps;
             }
             Event::VisionRunStart {
@@ -79,16 +94,11 @@ pub fn summarize(run_dir: &Path) -> Result<RunSummary, TrainError> {
                 n_params,
                 ..
             } => {
-                if s.started == 0.0 {
-                    s.started = r.time;
-                }
-                s.id = run_id;
-                s.recipe = match config.base {
+                let recipe = match config.base {
                     Some(_) => "vit-fine-tune",
                     None => "vit",
-                }
-                .to_string();
-                s.n_params = n_params;
+                };
+                s.started(r.time, run_id, recipe, None, n_params);
                 s.steps_total = config.optim.steps;
             }
             Event::Step {

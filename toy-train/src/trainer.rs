@@ -38,7 +38,7 @@ use crate::eval::{EvalResult, evaluate_batches};
 use crate::events::{Event, EventLog, Record};
 use crate::finetune::{Base, start_model};
 use crate::model::{DonorEmbedding, ModelSpec, Trainee, init_trainee};
-use crate::optim::{OptimRecord, TrainOptimizer, grad_norm, scale_grads};
+use crate::optim::{OptimRecord, TrainOptimizer, clip_grads};
 use crate::parallel::{self, Place};
 use crate::schedule::learning_rate;
 
@@ -269,14 +269,7 @@ pub fn train_data_parallel<B: ToyBackend>(
     };
     let mut optim = TrainOptimizer::<Ad<B>, Trainee<Ad<B>>>::new(o);
     let donor = donor_table(setup, &model, device);
-    let mut state = TrainState {
-        step: 0,
-        total_tokens: 0,
-        elapsed_s: 0.0,
-        events_len: 0,
-        last_loss: None,
-        last_eval_loss: None,
-    };
+    let mut state = TrainState::default();
     let resumed = checkpoint.is_some();
     if let Some(dir) = &checkpoint {
         // A LoRA checkpoint records the adapters only (the base is the base GGUF).
@@ -303,11 +296,7 @@ pub fn train_data_parallel<B: ToyBackend>(
     } else {
         run.write_config(config)?;
     }
-    let mut events = Events {
-        log: EventLog::open(&run.events_path(), resumed.then_some(state.events_len))?,
-        observer,
-        stop: false,
-    };
+    let mut events = Events::open(run, resumed.then_some(state.events_len), observer)?;
 
     events.emit(Event::RunStart {
         run_id: run.id.clone(),
@@ -452,17 +441,7 @@ impl<B: ToyBackend> Replica<B> {
         let (mut grads, loss) =
             accumulate_grads(&self.model, self.donor.as_ref(), &batches, &self.device);
         let loss = place.mean_over_replicas::<B, _>(&self.model, &mut grads, loss, &self.device)?;
-        let norm = grad_norm::<Ad<B>, _>(&self.model, &mut grads);
-        if !norm.is_finite() {
-            return Err(TrainError::Diverged {
-                step: step + 1,
-                grad_norm: norm,
-            });
-        }
-        let clipped = o.grad_clip > 0.0 && norm > o.grad_clip as f64;
-        if clipped {
-            scale_grads::<Ad<B>, _>(&self.model, &mut grads, o.grad_clip as f64 / norm);
-        }
+        let (norm, clipped) = clip_grads::<Ad<B>, _>(&self.model, &mut grads, o.grad_clip, step)?;
         self.model = self.optim.step(lr, self.model, grads);
         let outcome = StepOutcome {
             lr,
@@ -615,13 +594,7 @@ fn lead<B: ToyBackend>(
         }
     }
 
-    events.emit(Event::RunEnd {
-        step: state.step,
-        final_loss: state.last_loss,
-        final_eval_loss: state.last_eval_loss,
-        total_tokens: state.total_tokens,
-        elapsed_s: state.elapsed_s,
-    })?;
+    events.emit(state.run_end())?;
     replica.place.leave::<B>();
     Ok(summary(state, last_eval, setup.output_path(run)))
 }
@@ -668,7 +641,20 @@ pub(crate) struct Events<'a> {
     pub(crate) stop: bool,
 }
 
-impl Events<'_> {
+impl<'a> Events<'a> {
+    /// `run`'s event log, cut back to `resumed_len` bytes when resuming.
+    pub(crate) fn open(
+        run: &RunDir,
+        resumed_len: Option<u64>,
+        observer: &'a mut dyn FnMut(&Record) -> ControlFlow<()>,
+    ) -> Result<Self, TrainError> {
+        Ok(Events {
+            log: EventLog::open(&run.events_path(), resumed_len)?,
+            observer,
+            stop: false,
+        })
+    }
+
     pub(crate) fn emit(&mut self, event: Event) -> Result<(), TrainError> {
         let record = event.record();
         self.log.write(&record)?;

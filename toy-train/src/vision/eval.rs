@@ -42,9 +42,8 @@ pub fn evaluate_images<B: ToyBackend>(
     let mut confusion = vec![vec![0usize; n_classes]; n_classes];
     let (mut nll, mut top1, mut top5) = (0.0f64, 0usize, 0usize);
     for chunk in samples.chunks(batch.max(1)) {
-        let refs: Vec<&(PathBuf, usize)> = chunk.iter().collect();
-        let (images, _) =
-            to_tensors::<B>(&refs, transform, &device, |i| SplitMix64::new(i as u64))?;
+        // No augmentation: the transform draws nothing from the generator.
+        let (images, _) = to_tensors::<B>(chunk, transform, &device, |_| SplitMix64::new(0))?;
         for (row, (_, truth)) in log_softmax_rows(model.forward(images))?.iter().zip(chunk) {
             let truth = *truth;
             if truth >= n_classes {
@@ -99,7 +98,7 @@ fn log_softmax_rows<B: ToyBackend>(logits: Tensor<B, 2>) -> Result<Vec<Vec<f32>>
 }
 
 /// Index of the largest value (the first of equals).
-pub fn argmax(row: &[f32]) -> usize {
+fn argmax(row: &[f32]) -> usize {
     row.iter()
         .enumerate()
         .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {

@@ -9,7 +9,7 @@
 pub mod eval;
 pub mod train;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -194,33 +194,32 @@ impl ImageSplit {
             self.train.len(),
             seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15),
         );
-        let picked: Vec<&(PathBuf, usize)> = order[k * batch..(k + 1) * batch]
+        let picked = order[k * batch..(k + 1) * batch]
             .iter()
-            .map(|&i| &self.train[i])
-            .collect();
+            .map(|&i| &self.train[i]);
         let draw = |i: usize| {
             SplitMix64::new(seed ^ ((step * batch + i) as u64).wrapping_mul(0xD1B5_4A32_D192_ED03))
         };
-        let (images, labels) = to_tensors(&picked, transform, device, draw)?;
+        let (images, labels) = to_tensors(picked, transform, device, draw)?;
         Ok((images, labels, epoch))
     }
 }
 
 /// `samples` transformed (image `i` augmented with `rng(i)`) into an image batch
 /// `[n, 3, size, size]` and its labels.
-pub fn to_tensors<B: Backend>(
-    samples: &[&(PathBuf, usize)],
+pub fn to_tensors<'a, B: Backend>(
+    samples: impl IntoIterator<Item = &'a (PathBuf, usize)>,
     transform: &Transform,
     device: &B::Device,
     rng: impl Fn(usize) -> SplitMix64,
 ) -> Result<(Tensor<B, 4>, Tensor<B, 1, Int>), TrainError> {
     let s = transform.size;
-    let mut pixels = Vec::with_capacity(samples.len() * 3 * s * s);
-    for (i, (path, _)) in samples.iter().enumerate() {
+    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    for (i, (path, class)) in samples.into_iter().enumerate() {
         pixels.extend(transform.load(path, &mut rng(i))?);
+        labels.push(*class as i64);
     }
-    let labels: Vec<i64> = samples.iter().map(|(_, c)| *c as i64).collect();
-    let n = samples.len();
+    let n = labels.len();
     Ok((
         Tensor::from_data(TensorData::new(pixels, [n, 3, s, s]), device),
         Tensor::from_data(TensorData::new(labels, [n]), device),
@@ -233,9 +232,4 @@ pub fn class_names(labels: Option<&[String]>, n_classes: usize) -> Vec<String> {
         Some(l) if l.len() == n_classes => l.to_vec(),
         _ => (0..n_classes).map(|i| format!("class {i}")).collect(),
     }
-}
-
-/// Whether `path` is an image-folder tree (a directory) rather than a text file.
-pub fn is_image_folder(path: &Path) -> bool {
-    path.is_dir()
 }

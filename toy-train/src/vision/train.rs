@@ -21,12 +21,12 @@ use toy_models::vit::{Init, Vit, VitConfig};
 
 use super::eval::{ImageEval, evaluate_images};
 use super::{ImageSplit, VisionConfig, eval_transform};
+use crate::TrainError;
 use crate::checkpoint::{RunDir, TrainState};
-use crate::events::{Event, EventLog, Record};
-use crate::optim::{OptimRecord, TrainOptimizer, grad_norm, scale_grads};
+use crate::events::{Event, Record};
+use crate::optim::{OptimRecord, TrainOptimizer, clip_grads};
 use crate::schedule::learning_rate;
 use crate::trainer::{Events, RunInfo};
-use crate::{TrainError, io_err};
 
 type Ad<B> = Autodiff<B>;
 
@@ -40,26 +40,14 @@ pub struct VisionSummary {
     pub model_path: PathBuf,
 }
 
-/// Write a new run's `config.json` (after checking it).
-pub fn write_vision_config(run: &RunDir, config: &VisionConfig) -> Result<(), TrainError> {
-    config.check()?;
-    let json = serde_json::to_vec_pretty(config).expect("a config always serializes");
-    crate::checkpoint::write_atomic(&run.config_path(), &json)
-}
-
-/// The image-classification config of `run`, or `None` when it is a language-model run.
+/// The image-classification config of `run`, or `None` when it is a language-model run (its
+/// config has no `vit`).
 pub fn read_vision_config(run: &RunDir) -> Result<Option<VisionConfig>, TrainError> {
-    let path = run.config_path();
-    let bytes = std::fs::read(&path).map_err(io_err(format!("cannot read {}", path.display())))?;
-    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
-        TrainError::Config(format!("{} is not a valid run config: {e}", path.display()))
-    })?;
+    let value: serde_json::Value = run.read_config()?;
     if value.get("vit").is_none() {
         return Ok(None);
     }
-    serde_json::from_value(value).map(Some).map_err(|e| {
-        TrainError::Config(format!("{} is not a valid run config: {e}", path.display()))
-    })
+    run.read_config().map(Some)
 }
 
 /// Train the ViT of `run`'s config (a new run whose config is written, or `--resume` when the
@@ -86,14 +74,7 @@ pub fn train_vision<B: ToyBackend>(
     let checkpoint = run.latest()?;
     let mut model = start_model::<B>(config, device)?;
     let mut optim = TrainOptimizer::<Ad<B>, Vit<Ad<B>>>::new(o);
-    let mut state = TrainState {
-        step: 0,
-        total_tokens: 0,
-        elapsed_s: 0.0,
-        events_len: 0,
-        last_loss: None,
-        last_eval_loss: None,
-    };
+    let mut state = TrainState::default();
     let resumed = checkpoint.is_some();
     if let Some(dir) = &checkpoint {
         let (saved, model_record, optim_record) =
@@ -104,13 +85,9 @@ pub fn train_vision<B: ToyBackend>(
         // A kill between the checkpoint and the GGUF leaves an older model.gguf: bring it level.
         save_model(&model.valid(), config, &run.model_path())?;
     } else {
-        write_vision_config(run, config)?;
+        run.write_config(config)?;
     }
-    let mut events = Events {
-        log: EventLog::open(&run.events_path(), resumed.then_some(state.events_len))?,
-        observer,
-        stop: false,
-    };
+    let mut events = Events::open(run, resumed.then_some(state.events_len), observer)?;
     events.emit(Event::VisionRunStart {
         run_id: run.id.clone(),
         config: Box::new(config.clone()),
@@ -146,16 +123,12 @@ pub fn train_vision<B: ToyBackend>(
         let loss = model.loss(images, labels);
         let loss_value: f64 = loss.clone().into_scalar().elem();
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-        let norm = grad_norm::<Ad<B>, _>(&model, &mut grads);
-        if !norm.is_finite() || !loss_value.is_finite() {
+        let (norm, clipped) = clip_grads::<Ad<B>, _>(&model, &mut grads, o.grad_clip, step)?;
+        if !loss_value.is_finite() {
             return Err(TrainError::Diverged {
                 step: step + 1,
                 grad_norm: norm,
             });
-        }
-        let clipped = o.grad_clip > 0.0 && norm > o.grad_clip as f64;
-        if clipped {
-            scale_grads::<Ad<B>, _>(&model, &mut grads, o.grad_clip as f64 / norm);
         }
         model = optim.step(lr, model, grads);
 
@@ -208,13 +181,7 @@ pub fn train_vision<B: ToyBackend>(
             return Ok(summary(&state, last_eval, run));
         }
     }
-    events.emit(Event::RunEnd {
-        step: state.step,
-        final_loss: state.last_loss,
-        final_eval_loss: state.last_eval_loss,
-        total_tokens: state.total_tokens,
-        elapsed_s: state.elapsed_s,
-    })?;
+    events.emit(state.run_end())?;
     Ok(summary(&state, last_eval, run))
 }
 
