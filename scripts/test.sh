@@ -27,6 +27,8 @@ phase "build the tests"
 cargo test --release --locked --workspace --no-run
 phase "tests"
 cargo test --release --locked --workspace
+phase "fuzz smoke: each target of fuzz/ for 60 s (scripts/fuzz.sh; the long runs are by hand)"
+scripts/fuzz.sh
 phase "scripts/gpu-check.sh --dry-run (every step of the device check that needs no GPU)"
 # The binaries are the ones just built and tested (cargo test builds the examples too): a second
 # `cargo build -p toy-kernels` would resolve features for that crate alone and rebuild burn.

@@ -71,6 +71,7 @@ fn zygote(mut socket: UnixStream) -> ! {
 
 /// Render `job` in a child process limited to [`MEMORY_BUDGET`] more address space: the
 /// zygote's where there is one, else a fork of this process.
+#[cfg_attr(fuzzing, allow(dead_code))] // (a fuzzing build renders in process)
 pub(super) fn render(job: &RenderJob<'_>) -> Result<String, ChatError> {
     {
         let mut zygote = ZYGOTE.lock().unwrap_or_else(|e| e.into_inner());
@@ -134,6 +135,12 @@ fn isolated(render: impl FnOnce() -> Result<String, ChatError>) -> Result<String
     let status = reap(pid);
     match reply {
         Some(reply) if status == Some(0) => decode(&reply),
+        _ if status == Some(OUT_OF_STACK) => Err(ChatError::Template(
+            "the chat template nests too deeply to render (the renderer ran out of stack: \
+             thousands of chained operators, filters or attributes?); it is not a usable chat \
+             template"
+                .into(),
+        )),
         _ => Err(ChatError::Template(format!(
             "the chat template needed more than {} MiB or {} s to render (a runaway template?); \
              it is not a usable chat template",
@@ -162,6 +169,15 @@ fn child(
             rlim_max: address_space + MEMORY_BUDGET,
         };
         libc::setrlimit(libc::RLIMIT_AS, &limit);
+        // minijinja's parser and compiler recurse once per operator of a chain (`1+1+1…`,
+        // `x|f|f…`) with no depth limit of their own, so a few hundred KiB of template run the
+        // stack out. A fault here is that (the child runs only minijinja): exit with a code the
+        // parent reads as such, on the alternate signal stack Rust's runtime gave this thread.
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = out_of_stack as *const () as libc::sighandler_t;
+        action.sa_flags = libc::SA_ONSTACK;
+        libc::sigaction(libc::SIGSEGV, &action, std::ptr::null_mut());
+        libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut());
     }
     let reply = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(render)) {
         Ok(result) => encode(&result),
@@ -180,6 +196,14 @@ fn child(
     }
     // SAFETY: ends the child without running the parent's exit handlers or destructors.
     unsafe { libc::_exit(0) }
+}
+
+/// The exit code of a child whose render ran out of stack.
+const OUT_OF_STACK: i32 = 86;
+
+extern "C" fn out_of_stack(_: libc::c_int) {
+    // SAFETY: `_exit` is async-signal-safe.
+    unsafe { libc::_exit(OUT_OF_STACK) }
 }
 
 /// The child's reply, read until it closes the pipe or [`TIMEOUT`] passes (then it is killed).
