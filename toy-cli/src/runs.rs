@@ -108,10 +108,8 @@ fn plot(dir: &std::path::Path, runs: &[String], output: &PathBuf) -> Result<()> 
         }
         curves.push(curve(&path, run).with_context(|| format!("cannot read {}", path.display()))?);
     }
-    let tmp = output.with_extension("svg.part");
-    std::fs::write(&tmp, loss_svg(&curves))
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, output).with_context(|| format!("cannot write {}", output.display()))?;
+    toy_core::atomic::write_atomic(output, loss_svg(&curves).as_bytes())
+        .with_context(|| format!("cannot write {}", output.display()))?;
     eprintln!(
         "wrote {} ({} run{})",
         output.display(),

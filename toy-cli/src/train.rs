@@ -555,7 +555,8 @@ fn new_run(args: &TrainArgs) -> Result<(RunDir, TrainConfig)> {
         std::fs::create_dir_all(&bundled)
             .with_context(|| format!("cannot create {}", bundled.display()))?;
         let path = bundled.join(name);
-        std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        toy_core::atomic::write_atomic(&path, bytes)
+            .with_context(|| format!("cannot write {}", path.display()))?;
         Ok(path)
     };
     let files = if data_files.is_empty() {

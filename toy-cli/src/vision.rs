@@ -230,7 +230,8 @@ fn write_bundled(run: &RunDir) -> Result<PathBuf> {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("cannot create {}", dir.display()))?;
         }
-        std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        toy_core::atomic::write_atomic(&path, bytes)
+            .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(root)
 }

@@ -2,8 +2,10 @@
 //!
 //! GGUF read/write/dequantize/quantize ([`gguf`]), the tokenizer built from GGUF metadata
 //! ([`tokenizer`]), chat templates ([`chat`]), the model configuration read from metadata
-//! ([`config`]), RoPE angles ([`rope`]) and sampling ([`sampling`]).
+//! ([`config`]), RoPE angles ([`rope`]), sampling ([`sampling`]) and files written whole or not
+//! at all ([`atomic`]).
 
+pub mod atomic;
 pub mod chat;
 pub mod clock;
 pub mod config;

@@ -183,9 +183,14 @@ impl RunDir {
             .record(optim, ())
             .map_err(|e| TrainError::Record(format!("cannot encode the optimizer state: {e}")))?;
         let state_bytes = serde_json::to_vec_pretty(state).expect("state always serializes");
-        write_synced(&tmp.join("model.mpk"), &model_bytes)?;
-        write_synced(&tmp.join("optim.mpk"), &optim_bytes)?;
-        write_synced(&tmp.join("state.json"), &state_bytes)?;
+        let written = write_synced(&tmp.join("model.mpk"), &model_bytes)
+            .and_then(|()| write_synced(&tmp.join("optim.mpk"), &optim_bytes))
+            .and_then(|()| write_synced(&tmp.join("state.json"), &state_bytes));
+        if let Err(e) = written {
+            // A full disk: give the space back; the previous checkpoint is untouched.
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
         // Re-writing the checkpoint of a step (a resumed run redoing it) replaces the old one.
         if dir.exists() {
             fs::remove_dir_all(&dir)
@@ -248,20 +253,8 @@ fn sync_dir(dir: &Path) {
     }
 }
 
-/// Write `path` through a temporary file in the same directory and a rename.
+/// Write `path` whole or not at all (`toy_core::atomic`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    write_synced(&tmp, bytes)?;
-    fs::rename(&tmp, path).map_err(io_err(format!(
-        "cannot rename {} to {}",
-        tmp.display(),
-        path.display()
-    )))?;
-    sync_dir(dir);
-    Ok(())
+    toy_core::atomic::write_atomic(path, bytes)
+        .map_err(io_err(format!("cannot write {}", path.display())))
 }

@@ -5,7 +5,9 @@
 //! the `GradientsParams` it is given, so two AdamW instances — one with the configured decay,
 //! one with none — each given the gradients of their own parameters, make the two groups that
 //! GPT-style training uses: decay on 2-D weights (embeddings, projections, the output head), none
-//! on the RMSNorm gains. Each instance keeps the moments of its own parameters.
+//! on the RMSNorm gains. Each instance keeps the moments of its own parameters. A model may also
+//! name matrices that take no decay ([`TrainOptimizer::without_decay`]): a ViT's position
+//! embeddings and class token, which timm exempts (its `no_weight_decay()`).
 //!
 //! Clipping is by the global norm over all gradients (burn's `GradientClipping::Norm` clips each
 //! parameter's gradient on its own, which changes the update's direction).
@@ -16,7 +18,7 @@
 //! quarter of a CPU training step (`docs/performance.md`). [`FusedAdamW`] is that one change;
 //! burn's adaptor still keeps the moments per parameter and saves them.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{
     AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate, Optimizer, SimpleOptimizer,
@@ -115,16 +117,18 @@ pub fn scale_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
 fn split_by_rank<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     mut grads: GradientsParams,
+    exempt: &[ParamId],
 ) -> (GradientsParams, GradientsParams) {
-    struct Split {
+    struct Split<'a> {
         all: GradientsParams,
         matrices: GradientsParams,
         vectors: GradientsParams,
+        exempt: &'a [ParamId],
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Split {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Split<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(g) = self.all.remove::<B::InnerBackend, D>(param.id) {
-                let to = if D >= 2 {
+                let to = if D >= 2 && !self.exempt.contains(&param.id) {
                     &mut self.matrices
                 } else {
                     &mut self.vectors
@@ -137,6 +141,7 @@ fn split_by_rank<B: AutodiffBackend, M: AutodiffModule<B>>(
         all: std::mem::take(&mut grads),
         matrices: GradientsParams::new(),
         vectors: GradientsParams::new(),
+        exempt,
     };
     model.visit(&mut split);
     (split.matrices, split.vectors)
@@ -206,6 +211,8 @@ where
 {
     decay: Adam<B, M>,
     no_decay: Adam<B, M>,
+    /// Matrices in the no-decay group all the same.
+    exempt: Vec<ParamId>,
 }
 
 impl<B: AutodiffBackend + ToyBackend, M: AutodiffModule<B>> TrainOptimizer<B, M>
@@ -224,12 +231,19 @@ where
         TrainOptimizer {
             decay: adamw(config.weight_decay),
             no_decay: adamw(0.0),
+            exempt: Vec::new(),
         }
+    }
+
+    /// Step `params` without weight decay whatever their rank.
+    pub fn without_decay(mut self, params: impl IntoIterator<Item = ParamId>) -> Self {
+        self.exempt.extend(params);
+        self
     }
 
     /// One AdamW step of both groups at learning rate `lr`.
     pub fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
-        let (decay, no_decay) = split_by_rank::<B, _>(&model, grads);
+        let (decay, no_decay) = split_by_rank::<B, _>(&model, grads, &self.exempt);
         let model = self.decay.step(lr, model, decay);
         self.no_decay.step(lr, model, no_decay)
     }
@@ -242,6 +256,7 @@ where
         TrainOptimizer {
             decay: self.decay.load_record(record.0),
             no_decay: self.no_decay.load_record(record.1),
+            exempt: self.exempt,
         }
     }
 }
@@ -310,6 +325,38 @@ mod tests {
                 assert_eq!(a.momentum.time, b.momentum.time);
             }
         }
+    }
+
+    /// With a zero gradient, AdamW's only change to a parameter is its decay: a matrix named
+    /// by `without_decay` keeps its values, the other shrinks by `lr × weight_decay`.
+    #[test]
+    fn matrices_named_without_decay_take_none() {
+        use burn::backend::Autodiff;
+        use burn::nn::LinearConfig;
+        type Ad = Autodiff<NdArray>;
+        let device = Default::default();
+        let pair = (
+            LinearConfig::new(4, 3).init::<Ad>(&device),
+            LinearConfig::new(4, 3).init::<Ad>(&device),
+        );
+        let weights = |p: &(burn::nn::Linear<Ad>, burn::nn::Linear<Ad>)| {
+            let v = |t: Tensor<Ad, 2>| t.into_data().into_vec::<f32>().unwrap();
+            (v(p.0.weight.val()), v(p.1.weight.val()))
+        };
+        let (a0, b0) = weights(&pair);
+        let loss = (pair.0.weight.val().sum() + pair.1.weight.val().sum()) * 0.0;
+        let grads = GradientsParams::from_grads(loss.backward(), &pair);
+        let config = OptimConfig {
+            weight_decay: 0.5,
+            ..OptimConfig::default()
+        };
+        let mut optim = TrainOptimizer::<Ad, _>::new(&config).without_decay([pair.1.weight.id]);
+        let pair = optim.step(0.1, pair, grads);
+        let (a1, b1) = weights(&pair);
+        for (x0, x1) in a0.iter().zip(&a1) {
+            assert!((x1 - x0 * (1.0 - 0.1 * 0.5)).abs() < 1e-6, "{x0} → {x1}");
+        }
+        assert_eq!(b0, b1, "an exempt matrix was decayed");
     }
 
     #[test]

@@ -16,10 +16,8 @@
 //! or 32.
 
 use std::borrow::Cow;
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::io::{self, Write};
+use std::path::Path;
 
 use super::GgmlType;
 use super::read::{MAX_ARRAY_DEPTH, check_tensor_shape};
@@ -206,52 +204,18 @@ impl<'a> GgufWriter<'a> {
     /// an error leaves any existing `path` untouched.
     pub fn write_atomic(&self, path: impl AsRef<Path>) -> Result<u64> {
         let path = path.as_ref();
-        let err = |source: io::Error| GgufError::Write {
-            target: path.display().to_string(),
-            source,
-        };
-        let file_name = path.file_name().ok_or_else(|| {
-            GgufError::InvalidArgument(format!("{} does not name a file", path.display()))
-        })?;
-        let dir = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        // Unique per process and call, so concurrent writers never share a temporary file.
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let tmp = dir.join(format!(
-            ".{}.tmp-{}-{}",
-            file_name.to_string_lossy(),
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(err)?;
-        let written = (|| {
-            let mut out = BufWriter::with_capacity(1 << 20, file);
-            let n = self.write_inner(&mut out)?;
-            let file = out.into_inner().map_err(|e| e.into_error())?;
-            file.sync_all()?;
-            fs::rename(&tmp, path)?;
-            Ok(n)
-        })();
-        match written {
-            Ok(n) => {
-                // Make the rename itself durable. Some filesystems cannot fsync a directory;
-                // the data is already safely in the renamed file, so that is not an error.
-                if let Ok(d) = File::open(&dir) {
-                    let _ = d.sync_all();
-                }
-                Ok(n)
-            }
-            Err(e) => {
-                let _ = fs::remove_file(&tmp);
-                Err(err(e))
-            }
+        if path.file_name().is_none() {
+            return Err(GgufError::InvalidArgument(format!(
+                "{} does not name a file",
+                path.display()
+            )));
         }
+        crate::atomic::write_atomic_with(path, |out| self.write_inner(out)).map_err(|source| {
+            GgufError::Write {
+                target: path.display().to_string(),
+                source,
+            }
+        })
     }
 
     fn write_inner(&self, mut out: impl Write) -> io::Result<u64> {

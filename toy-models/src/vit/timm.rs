@@ -324,6 +324,7 @@ impl<B: ToyBackend> Vit<B> {
                 file: file.clone(),
                 message,
             })?;
-        std::fs::write(path, bytes).map_err(|source| VitFileError::Io { file, source })
+        toy_core::atomic::write_atomic(path, &bytes)
+            .map_err(|source| VitFileError::Io { file, source })
     }
 }

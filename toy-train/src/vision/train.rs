@@ -87,6 +87,9 @@ pub fn train_vision<B: ToyBackend>(
     } else {
         run.write_config(config)?;
     }
+    // timm's ViT recipe: no weight decay on the position embeddings and the class token. (Named
+    // after the checkpoint loads: a loaded record brings its own parameter ids.)
+    optim = optim.without_decay([model.pos_embed.id, model.cls_token.id]);
     let mut events = Events::open(run, resumed.then_some(state.events_len), observer)?;
     events.emit(Event::VisionRunStart {
         run_id: run.id.clone(),
