@@ -37,7 +37,7 @@ fuzz_target!(|data: &[u8]| {
     // which `detokenize` applies as llama.cpp does) give back every byte of the text.
     let pieces: Vec<u8> = ids
         .iter()
-        .flat_map(|&id| tokenizer.token_bytes(id).to_vec())
+        .flat_map(|&id| tokenizer.token_bytes(id).iter().copied())
         .collect();
     if bpe && !add_special && !parse_special {
         assert_eq!(pieces, text.as_bytes(), "byte-level BPE lost text");

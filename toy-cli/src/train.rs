@@ -394,9 +394,7 @@ impl TrainArgs {
         }
         c
     }
-}
 
-impl TrainArgs {
     /// The optimization flags every kind of run shares, over `o`'s defaults.
     pub(crate) fn override_optim(&self, o: &mut OptimConfig) {
         set(&mut o.steps, self.steps);

@@ -2,14 +2,16 @@
 //! in a one-line error (non-zero exit, no panic, no huge allocation).
 
 mod common;
+#[path = "../../test-support/tmpfs.rs"]
+mod tmpfs;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use common::{root, smollm2, toy};
-
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use tmpfs::Tmpfs;
 use toy_core::gguf::{GgmlType, GgufFile, GgufWriter, Value as GgufValue};
 
 fn model(kind: &str) -> String {
@@ -462,79 +464,25 @@ fn eval_and_bench_run_gpt2_and_gemma3() {
     }
 }
 
-/// A tmpfs of `size` mounted at a fresh directory, unmounted on drop; `None` (the test says it
-/// skipped) where this process may not mount one.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(name: &str, size: &str) -> Option<Tmpfs> {
-        let dir = scratch(name);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mounted = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(&dir)
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !mounted {
-            eprintln!("skipped: cannot mount a tmpfs here (needs root)");
-            return None;
-        }
-        Some(Tmpfs(dir))
-    }
-
-    fn names(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// `toy convert` onto a full disk and into a read-only directory: a one-line error, the file
 /// already under the output's name untouched, and no partial or temporary file left taking the
 /// space.
 #[test]
 fn convert_onto_a_full_disk_or_read_only_dir_loses_nothing() {
-    let Some(disk) = Tmpfs::mount("full-disk", "16m") else {
+    let Some(disk) = Tmpfs::mount(scratch("full-disk"), "16m") else {
         return;
     };
-    let out_path = disk.0.join("model.Q8_0.gguf");
+    let out_path = disk.path().join("model.Q8_0.gguf");
     std::fs::write(&out_path, b"the previous file").unwrap();
-    let out = toy(&[
-        "convert",
-        &model("Q4_1"),
-        out_path.to_str().unwrap(),
-        "--to",
-        "q8_0",
-    ]);
-    assert_clean_error(&out, "No space left on device");
+    let convert = || {
+        let out_s = out_path.to_str().unwrap();
+        toy(&["convert", &model("Q4_1"), out_s, "--to", "q8_0"])
+    };
+    assert_clean_error(&convert(), "No space left on device");
     assert_eq!(std::fs::read(&out_path).unwrap(), b"the previous file");
     assert_eq!(disk.names(), ["model.Q8_0.gguf"]);
 
-    let ro = std::process::Command::new("mount")
-        .args(["-o", "remount,ro"])
-        .arg(&disk.0)
-        .status()
-        .unwrap();
-    assert!(ro.success(), "remount read-only");
-    let out = toy(&[
-        "convert",
-        &model("Q4_1"),
-        out_path.to_str().unwrap(),
-        "--to",
-        "q8_0",
-    ]);
-    assert_clean_error(&out, "Read-only file system");
+    disk.remount_read_only();
+    assert_clean_error(&convert(), "Read-only file system");
     assert_eq!(std::fs::read(&out_path).unwrap(), b"the previous file");
 }

@@ -211,7 +211,7 @@ where
 {
     decay: Adam<B, M>,
     no_decay: Adam<B, M>,
-    /// Matrices in the no-decay group all the same.
+    /// Matrices stepped without decay all the same (`without_decay`).
     exempt: Vec<ParamId>,
 }
 

@@ -204,12 +204,6 @@ impl<'a> GgufWriter<'a> {
     /// an error leaves any existing `path` untouched.
     pub fn write_atomic(&self, path: impl AsRef<Path>) -> Result<u64> {
         let path = path.as_ref();
-        if path.file_name().is_none() {
-            return Err(GgufError::InvalidArgument(format!(
-                "{} does not name a file",
-                path.display()
-            )));
-        }
         crate::atomic::write_atomic_with(path, |out| self.write_inner(out)).map_err(|source| {
             GgufError::Write {
                 target: path.display().to_string(),
