@@ -50,12 +50,26 @@ seeds() {
 for t in "${TARGETS[@]}"; do
   mkdir -p "$WORK/$t" "$WORK/$t-artifacts"
   echo "== fuzz $t for ${SECONDS_EACH}s (corpus $WORK/$t)" >&2
-    # A chat template stays under 16 KiB: a longer chain of operators runs minijinja's parser out
-  # of stack, which only the render sandbox contains (and this build renders in process).
   max_len=1048576
-  [[ "$t" == chat_template ]] && max_len=16384
+  mode=()
+  if [[ "$t" == chat_template ]]; then
+    # A chat template stays under 16 KiB: a longer chain of operators runs minijinja's parser
+    # out of stack, which only the render sandbox contains (this build renders in process).
+    max_len=16384
+    # Nor can an in-process render survive a string grown by concatenation until memory runs
+    # out; in toy the sandbox's address-space limit turns that into an error (tested in
+    # toy-core). So libFuzzer runs this target in fork mode, where such an input is written to
+    # the artifacts as oom-* and the run goes on; crashes and hangs still stop it.
+    mode=(-fork=1 -ignore_ooms=1 -ignore_timeouts=0 -ignore_crashes=0)
+  fi
+  ooms_before=$(find "$WORK/$t-artifacts" -name 'oom-*' | wc -l)
   # shellcheck disable=SC2046
-  "$CARGO_TARGET_DIR/$HOST/release/$t" "$WORK/$t" $(seeds "$t") \
+  "$CARGO_TARGET_DIR/$HOST/release/$t" "$WORK/$t" $(seeds "$t") "${mode[@]}" \
     -max_total_time="$SECONDS_EACH" -max_len="$max_len" -rss_limit_mb=2048 -timeout=10 \
     -artifact_prefix="$WORK/$t-artifacts/" -print_final_stats=1 "$@"
+  ooms=$(( $(find "$WORK/$t-artifacts" -name 'oom-*' | wc -l) - ooms_before ))
+  if (( ooms > 0 )); then
+    echo "[fuzz] $t: $ooms input(s) ran out of memory in process (contained by the sandbox in toy;" \
+      "see whether a filter could refuse them sooner): $WORK/$t-artifacts/oom-*" >&2
+  fi
 done

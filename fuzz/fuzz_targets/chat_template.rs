@@ -5,7 +5,9 @@
 //! guards memory in a real run), so the fuzzer sees minijinja's coverage. What must hold here:
 //! no panic, every render ends within the instruction budget, and no output passes
 //! `MAX_RENDERED_BYTES`. An input that only allocates without end (`ns.s ~ ns.s` doubled) is the
-//! class the sandbox exists for: libFuzzer reports it as out-of-memory (see docs/reliability.md).
+//! class the sandbox exists for: libFuzzer reports it as out-of-memory, and `scripts/fuzz.sh`
+//! runs this target in fork mode so that such an input is kept and the run goes on (see
+//! docs/reliability.md).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -146,6 +146,7 @@ impl RenderJob<'_> {
             },
         );
         env.add_filter("tojson", python_tojson);
+        env.add_filter("indent", bounded_indent);
         env.add_function("strftime_now", |format: String| {
             crate::clock::strftime(&format, crate::clock::unix_now())
         });
@@ -201,19 +202,42 @@ fn python_tojson(
     let json = serde_json::to_value(&value)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
-    dump_python(&json, indent, 0, &mut out);
+    dump_python(&json, indent, 0, &mut out).map_err(|TooLarge| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "tojson: the text passed {} MiB (indent={})",
+                MAX_RENDERED_BYTES >> 20,
+                indent.unwrap_or(0)
+            ),
+        )
+    })?;
     // Marked safe, as jinja2's tojson is (no autoescape runs on chat templates anyway).
     Ok(minijinja::Value::from_safe_string(out))
 }
 
-/// Python's `json.dumps` layout for `v`.
-fn dump_python(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
+/// A filter's result would pass [`MAX_RENDERED_BYTES`]: no render could use it, and building
+/// it could take all memory (`tojson(indent=4555555555)`, found by the fuzzer).
+struct TooLarge;
+
+/// Python's `json.dumps` layout for `v`, refusing to grow `out` past [`MAX_RENDERED_BYTES`].
+fn dump_python(
+    v: &serde_json::Value,
+    indent: Option<usize>,
+    level: usize,
+    out: &mut String,
+) -> Result<(), TooLarge> {
     use serde_json::Value as J;
-    let newline = |out: &mut String, level: usize| {
+    let newline = |out: &mut String, level: usize| -> Result<(), TooLarge> {
         if let Some(n) = indent {
+            let width = n.checked_mul(level).ok_or(TooLarge)?;
+            if out.len().saturating_add(width) >= MAX_RENDERED_BYTES {
+                return Err(TooLarge);
+            }
             out.push('\n');
-            out.push_str(&" ".repeat(n * level));
+            out.extend(std::iter::repeat_n(' ', width));
         }
+        Ok(())
     };
     // With an indent, Python's item separator drops its trailing space.
     let item_sep = if indent.is_some() { "," } else { ", " };
@@ -229,10 +253,10 @@ fn dump_python(v: &serde_json::Value, indent: Option<usize>, level: usize, out: 
                 if i > 0 {
                     out.push_str(item_sep);
                 }
-                newline(out, level + 1);
-                dump_python(item, indent, level + 1, out);
+                newline(out, level + 1)?;
+                dump_python(item, indent, level + 1, out)?;
             }
-            newline(out, level);
+            newline(out, level)?;
             out.push(']');
         }
         J::Object(map) if map.is_empty() => out.push_str("{}"),
@@ -242,15 +266,48 @@ fn dump_python(v: &serde_json::Value, indent: Option<usize>, level: usize, out: 
                 if i > 0 {
                     out.push_str(item_sep);
                 }
-                newline(out, level + 1);
+                newline(out, level + 1)?;
                 python_string(k, out);
                 out.push_str(": ");
-                dump_python(item, indent, level + 1, out);
+                dump_python(item, indent, level + 1, out)?;
             }
-            newline(out, level);
+            newline(out, level)?;
             out.push('}');
         }
     }
+    if out.len() > MAX_RENDERED_BYTES {
+        return Err(TooLarge);
+    }
+    Ok(())
+}
+
+/// minijinja's `indent` filter, refused when its result would pass [`MAX_RENDERED_BYTES`]
+/// (`x|indent(99999999999)` asks for that many spaces per line before anything is written).
+fn bounded_indent(
+    value: minijinja::value::StringInput<'_>,
+    width: Option<usize>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, Error> {
+    let w = match width {
+        Some(w) => w,
+        None => kwargs.peek::<Option<usize>>("width")?.unwrap_or(4),
+    };
+    let lines = value.as_str().bytes().filter(|&b| b == b'\n').count() + 1;
+    let size = w
+        .checked_mul(lines)
+        .and_then(|spaces| spaces.checked_add(value.as_str().len()));
+    if !matches!(size, Some(n) if n <= MAX_RENDERED_BYTES) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "indent({w}) of {lines} lines would pass {} MiB",
+                MAX_RENDERED_BYTES >> 20
+            ),
+        ));
+    }
+    minijinja::filters::indent(value, width, first, blank, kwargs)
 }
 
 /// A JSON string as `json.dumps(..., ensure_ascii=False)` writes it.
@@ -394,6 +451,31 @@ mod tests {
         assert!(render(include, &[], false, "", "").is_err());
         let recursion = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
         assert!(render(recursion, &[], false, "", "").is_err());
+        // Widths that ask for gigabytes before a byte is written (the fuzzer's find): refused
+        // by the filters themselves, not by the sandbox's memory limit.
+        for wide in [
+            "{{ {'x': [1]} | tojson(indent=4555555555) }}",
+            "{{ [[[[1]]]] | tojson(indent=9999999999999999999) }}",
+            "{{ 'a\nb' | indent(99999999999) }}",
+            "{{ 'a\nb' | indent(width=99999999999) }}",
+        ] {
+            let err = render(wide, &[], false, "", "").unwrap_err();
+            assert!(
+                matches!(&err, ChatError::Template(m) if m.contains("would pass 16 MiB") || m.contains("passed 16 MiB")),
+                "{wide}: {err:?}"
+            );
+        }
+        assert_eq!(
+            render(
+                "{{ 'a\nb' | indent(2) }}|{{ {'x': [1]} | tojson(indent=2) }}",
+                &[],
+                false,
+                "",
+                ""
+            )
+            .unwrap(),
+            "a\n  b|{\n  \"x\": [\n    1\n  ]\n}"
+        );
     }
 
     /// A string doubled in a loop asks for 2⁶⁰ bytes: on Linux the render's child process

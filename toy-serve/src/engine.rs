@@ -284,6 +284,19 @@ struct Engine<'m, B: ToyBackend> {
     prefix: PrefixCache<B>,
 }
 
+/// Hand back to the system the memory the sequences that just ended freed. glibc keeps freed
+/// chunks in its per-thread arenas for reuse and returns only the top of a heap, so a server
+/// that ran long prompts side by side would sit idle on hundreds of MiB it no longer uses
+/// (measured with four ~950-token prompts at once, SmolLM2 Q8_0: idle RSS 473 MiB, 237 MiB after
+/// one `malloc_trim`). Called when the engine runs out of work, not on every step.
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks and releases the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 impl<'m, B: ToyBackend> Engine<'m, B> {
     fn serve(mut self, jobs: &Receiver<(Job, Instant)>) {
         let mut open = true;
@@ -316,6 +329,9 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
             self.admit();
             self.turn();
             self.publish_gauges();
+            if self.active.is_empty() && self.queue.is_empty() {
+                release_freed_memory();
+            }
         }
     }
 
