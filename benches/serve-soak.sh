@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # A memory soak of toy serve: SOAK_S seconds (default 600) of the hostile mixed load of
 # toy-serve/tests/py/load_test.py (greedy chat plain and streamed, each checked against its answer
-# alone, plus malformed JSON, unknown models, missing keys, oversize bodies and prompts, clients
-# that hang up mid-stream) from CLIENTS closed-loop clients (default 16), with the server's RSS
-# sampled every 10 s. Prints one JSON line (requests, failures, rss_timeline in MiB, the peaks of
-# the soak's second and last quarter) and the machine it ran on; exit status 1 if any answer was
-# wrong or RSS grew by more than 5% (or 32 MiB) between those quarters.
+# alone, a ~950-token prompt read cold, plus malformed JSON, unknown models, missing keys,
+# oversize bodies and prompts, clients that hang up mid-stream) from CLIENTS closed-loop clients
+# (default 16), in two halves with an idle moment after each, the server's RSS and prefix cache
+# sampled every 10 s. Prints one JSON line (requests, failures, rss_timeline, the idle RSS after
+# each half, the busy peaks of the second and last quarter) and the machine it ran on; exit status
+# 1 if any answer was wrong, the server was not idle after a half, or memory grew: idle RSS less
+# the prefix cache by more than 5% (or 32 MiB) between the halves, or (runs of 600 s and more)
+# the last quarter's busy peak over the second quarter's by as much. scripts/test.sh runs 120 s.
 #
 #   TOY_BIN   toy binary (default: $CARGO_TARGET_DIR/release/toy)
-#   MODEL     default: ~/.cache/toy-models/SmolLM2-135M-Instruct.Q8_0.gguf
+#   MODEL     default: $TOY_MODEL_CACHE (~/.cache/toy-models)/SmolLM2-135M-Instruct.Q8_0.gguf
 #   CLIENTS   default 16; the server runs --parallel CLIENTS
 #   SOAK_S    default 600
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOY_BIN="${TOY_BIN:-${CARGO_TARGET_DIR:-$HOME/.cache/toy-target}/release/toy}"
-MODEL="${MODEL:-$HOME/.cache/toy-models/SmolLM2-135M-Instruct.Q8_0.gguf}"
+MODEL="${MODEL:-${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf}"
 PY="${TOY_VENV:-$HOME/.cache/toy-venv}/bin/python"
 CLIENTS="${CLIENTS:-16}"
 SOAK_S="${SOAK_S:-600}"
