@@ -9,6 +9,10 @@ use toy_core::sampling::SamplingParams;
 
 use crate::error::ApiError;
 
+/// The longest stop string a request may give, in bytes (OpenAI's own limit is undocumented;
+/// real ones are a few tokens: `"\n\n"`, `"</answer>"`, `"User:"`).
+pub const MAX_STOP_BYTES: usize = 1024;
+
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -122,6 +126,18 @@ impl Sampling {
             return Err(ApiError::invalid(
                 Some("stop"),
                 format!("at most 4 stop sequences, got {}", stop.len()),
+            ));
+        }
+        // Generated text is held back while it could still be the start of a stop string and
+        // searched at every token: a megabyte-long one would hold back a whole answer and make
+        // each token cost a scan of it.
+        if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(ApiError::invalid(
+                Some("stop"),
+                format!(
+                    "a stop sequence may be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                    long.len()
+                ),
             ));
         }
         let mut logit_bias = Vec::new();
@@ -345,6 +361,10 @@ mod tests {
             (r#"{"n":0}"#, "n"),
             (r#"{"presence_penalty":-3}"#, "presence_penalty"),
             (r#"{"stop":["a","b","c","d","e"]}"#, "stop"),
+            (
+                format!(r#"{{"stop":"{}"}}"#, "x".repeat(MAX_STOP_BYTES + 1)).as_str(),
+                "stop",
+            ),
             (r#"{"logit_bias":{"100":1}}"#, "logit_bias"),
             (r#"{"logit_bias":{"x":1}}"#, "logit_bias"),
             (r#"{"logit_bias":{"3":101}}"#, "logit_bias"),

@@ -111,4 +111,64 @@ mod tests {
         stop_tx.send(true).unwrap();
         runtime.block_on(server).unwrap();
     }
+
+    /// The limit on concurrent streams per connection is one, by construction: the server
+    /// speaks HTTP/1.1 only, whose requests on one connection run one after the other (a
+    /// pipelining client waits for each answer in turn), and an HTTP/2 client is refused.
+    #[test]
+    fn one_connection_runs_one_request_at_a_time() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let listener = runtime
+            .block_on(TcpListener::bind(("127.0.0.1", 0)))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (r, m) = (running.clone(), most.clone());
+        let app = Router::new().route(
+            "/",
+            axum::routing::get(move || {
+                let (r, m) = (r.clone(), m.clone());
+                async move {
+                    let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+                    m.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    r.fetch_sub(1, Ordering::SeqCst);
+                    "done"
+                }
+            }),
+        );
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let server = runtime.spawn(serve_http(listener, app, Duration::from_secs(5), stop_rx));
+
+        // Three requests written at once on one connection.
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        client
+            .write_all(
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n\
+                  GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            )
+            .unwrap();
+        let mut answers = String::new();
+        client.read_to_string(&mut answers).unwrap();
+        assert_eq!(answers.matches("HTTP/1.1 200").count(), 3, "{answers}");
+        assert_eq!(
+            most.load(Ordering::SeqCst),
+            1,
+            "requests of one connection overlapped"
+        );
+
+        // HTTP/2's connection preface is not a request this server takes.
+        let mut h2 = std::net::TcpStream::connect(addr).unwrap();
+        h2.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+        let mut reply = Vec::new();
+        let _ = h2.read_to_end(&mut reply);
+        let reply = String::from_utf8_lossy(&reply);
+        assert!(!reply.contains("200"), "{reply}");
+
+        stop_tx.send(true).unwrap();
+        runtime.block_on(server).unwrap();
+    }
 }
