@@ -48,6 +48,7 @@ pub struct AdapterTensor {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Adapter {
     pub alpha: f32,
+    /// The rank (the largest, where modules differ: each tensor holds its own).
     pub rank: usize,
     pub dropout: f32,
     pub tensors: Vec<AdapterTensor>,
@@ -323,7 +324,7 @@ impl Adapter {
                     target.gguf_name()
                 )));
             }
-            rank = r;
+            rank = rank.max(r);
             tensors.push(AdapterTensor {
                 layer,
                 target,
@@ -371,7 +372,23 @@ impl Adapter {
             .as_f64()
             .ok_or_else(|| TrainError::Config("adapter_config.json: no lora_alpha".into()))?
             as f32;
+        // Per-module ranks (`rank_pattern`) are read from the tensors' shapes; a per-module alpha
+        // would need a scale per module that neither toy's nor llama.cpp's GGUF adapter holds.
+        if config["alpha_pattern"]
+            .as_object()
+            .is_some_and(|m| !m.is_empty())
+        {
+            return Err(TrainError::Config(
+                "adapter_config.json: per-module lora_alpha (alpha_pattern) is not supported"
+                    .into(),
+            ));
+        }
         let tensors = read_safetensors(&read("adapter_model.safetensors")?)?;
+        let bad = |msg: String| TrainError::Config(format!("adapter_model.safetensors: {msg}"));
+        let matrix = |name: &str, shape: &[usize]| match *shape {
+            [rows, cols] => Ok((rows, cols)),
+            _ => Err(bad(format!("{name} has shape {shape:?}, not a matrix"))),
+        };
         let mut out = Vec::new();
         let mut rank = 0;
         for (name, (shape, a)) in &tensors {
@@ -403,13 +420,28 @@ impl Adapter {
                 .ok_or_else(|| {
                     TrainError::Config(format!("PEFT adapter lacks {stem}.lora_B.weight"))
                 })?;
-            let (r, inp, o) = (shape[0], shape[1], bshape[0]);
-            let b = match parsed.1 {
-                Target::Q if layout.permuted => permute_rows_to_gguf(b, layout.n_head, r),
-                Target::K if layout.permuted => permute_rows_to_gguf(b, layout.n_head_kv, r),
-                _ => b.clone(),
+            let (r, inp) = matrix(name, shape)?;
+            let (o, b_rank) = matrix(&format!("{stem}.lora_B.weight"), bshape)?;
+            if r == 0 || b_rank != r {
+                return Err(bad(format!(
+                    "{stem}: lora_A has rank {r}, lora_B {b_rank} (they must agree, and not be 0)"
+                )));
+            }
+            let heads = match parsed.1 {
+                Target::Q if layout.permuted => Some(layout.n_head),
+                Target::K if layout.permuted => Some(layout.n_head_kv),
+                _ => None,
             };
-            rank = r;
+            let b = match heads {
+                Some(n_head) if n_head == 0 || o % (2 * n_head) != 0 => {
+                    return Err(bad(format!(
+                        "{stem}.lora_B.weight has {o} rows, not whole heads of the base's {n_head}: wrong base model?"
+                    )));
+                }
+                Some(n_head) => permute_rows_to_gguf(b, n_head, r),
+                None => b.clone(),
+            };
+            rank = rank.max(r);
             out.push(AdapterTensor {
                 layer: parsed.0,
                 target: parsed.1,
@@ -480,7 +512,6 @@ pub fn merge(
             t,
         );
     }
-    let scale = adapter.alpha / adapter.rank.max(1) as f32;
     let w = convert(base, ty, |info, values| {
         if let Some(t) = by_name.remove(&info.name) {
             if info.dims != [t.inp as u64, t.out as u64] {
@@ -489,6 +520,9 @@ pub fn merge(
                     info.name, t.inp, t.out, info.dims
                 )));
             }
+            // Each matrix's own rank, as llama.cpp scales (`build_lora_mm`: alpha / b->ne[0]):
+            // PEFT's rank_pattern gives modules different ranks.
+            let scale = adapter.alpha / t.rank.max(1) as f32;
             add_scaled_product(values, &t.b, &t.a, t.out, t.rank, t.inp, scale);
         }
         Ok(())
@@ -537,5 +571,110 @@ mod tests {
         let a = vec![3.0, 4.0]; // [1, 2]
         add_scaled_product(&mut w, &b, &a, 2, 1, 2, 0.5);
         assert_eq!(w, vec![2.5, 3.0, 4.0, 5.0]);
+    }
+
+    /// A PEFT directory of zero-filled F32 tensors `(name, shape)` with `extra` in its config.
+    fn peft_dir(
+        tag: &str,
+        extra: serde_json::Value,
+        tensors: &[(&str, &[usize])],
+    ) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("toy-peft-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut config = serde_json::json!({"peft_type": "LORA", "lora_alpha": 16, "r": 2});
+        config
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
+        let data: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, shape)| vec![0u8; 4 * shape.iter().product::<usize>()])
+            .collect();
+        let views = tensors.iter().zip(&data).map(|((name, shape), bytes)| {
+            (
+                *name,
+                TensorView::new(Dtype::F32, shape.to_vec(), bytes).unwrap(),
+            )
+        });
+        let file = safetensors::serialize(views, None).unwrap();
+        std::fs::write(dir.join("adapter_model.safetensors"), file).unwrap();
+        dir
+    }
+
+    /// Hostile PEFT adapters (what `toy merge` reads from a user's directory) are one-line
+    /// errors, not index panics: a vector where a matrix belongs, ranks that disagree or are 0,
+    /// q rows that are not whole heads, a per-module alpha.
+    #[test]
+    fn malformed_peft_adapters_are_errors_not_panics() {
+        const Q: &str = "base_model.model.model.layers.0.self_attn.q_proj";
+        const V: &str = "base_model.model.model.layers.0.self_attn.v_proj";
+        let layout = QkLayout {
+            n_head: 2,
+            n_head_kv: 1,
+            permuted: true,
+        };
+        let (qa, qb) = (format!("{Q}.lora_A.weight"), format!("{Q}.lora_B.weight"));
+        let (va, vb) = (format!("{V}.lora_A.weight"), format!("{V}.lora_B.weight"));
+        let none = serde_json::json!({});
+        let cases: [(&str, serde_json::Value, Vec<(&str, &[usize])>, &str); 6] = [
+            (
+                "vector",
+                none.clone(),
+                vec![(&qa, &[8]), (&qb, &[8, 2])],
+                "not a matrix",
+            ),
+            (
+                "scalar-b",
+                none.clone(),
+                vec![(&qa, &[2, 8]), (&qb, &[])],
+                "not a matrix",
+            ),
+            (
+                "ranks",
+                none.clone(),
+                vec![(&qa, &[2, 8]), (&qb, &[8, 3])],
+                "must agree",
+            ),
+            (
+                "rank0",
+                none.clone(),
+                vec![(&qa, &[0, 8]), (&qb, &[8, 0])],
+                "not be 0",
+            ),
+            (
+                "heads",
+                none.clone(),
+                vec![(&qa, &[2, 8]), (&qb, &[6, 2])],
+                "whole heads",
+            ),
+            (
+                "alpha",
+                serde_json::json!({"alpha_pattern": {"q_proj": 8}}),
+                vec![(&qa, &[2, 8]), (&qb, &[8, 2])],
+                "alpha_pattern",
+            ),
+        ];
+        for (tag, extra, tensors, expect) in cases {
+            let dir = peft_dir(tag, extra, &tensors);
+            let err = Adapter::read_peft(&dir, layout).unwrap_err().to_string();
+            assert!(err.contains(expect), "{tag}: {err}");
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+        // Modules of different ranks (PEFT's rank_pattern) read, each with its own rank.
+        let dir = peft_dir(
+            "rank-pattern",
+            serde_json::json!({"rank_pattern": {"v_proj": 4}}),
+            &[
+                (&qa, &[2, 8]),
+                (&qb, &[8, 2]),
+                (&va, &[4, 8]),
+                (&vb, &[4, 4]),
+            ],
+        );
+        let adapter = Adapter::read_peft(&dir, layout).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+        let ranks: Vec<usize> = adapter.tensors.iter().map(|t| t.rank).collect();
+        assert_eq!((ranks, adapter.rank), (vec![2, 4], 4));
     }
 }
