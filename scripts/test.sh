@@ -27,6 +27,13 @@ phase "build the tests"
 cargo test --release --locked --workspace --no-run
 phase "tests"
 cargo test --release --locked --workspace
+phase "examples: toy-models/examples/generate.rs (built by cargo test) on SmolLM2 Q8_0"
+# The library's quick start must keep working: greedy SmolLM2 knows this one.
+generated=$("$CARGO_TARGET_DIR/release/examples/generate" \
+  "${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf" \
+  "The capital of France is")
+echo "$generated" >&2
+grep -q "Paris" <<<"$generated"
 phase "serve soak, 2 minutes: 16 clients of mixed and hostile requests (benches/serve-soak.sh; the hour-long run is by hand)"
 SOAK_S=120 TOY_BIN="$CARGO_TARGET_DIR/release/toy" benches/serve-soak.sh
 phase "fuzz smoke: each target of fuzz/ for 60 s (scripts/fuzz.sh; the long runs are by hand)"
