@@ -27,7 +27,8 @@ phase "build the tests"
 cargo test --release --locked --workspace --no-run
 phase "tests"
 cargo test --release --locked --workspace
-phase "examples: toy-models/examples/generate.rs (built by cargo test) on SmolLM2 Q8_0"
+phase "examples (built by cargo test): toy-models' train_loop, and generate on SmolLM2 Q8_0"
+"$CARGO_TARGET_DIR/release/examples/train_loop" >&2  # asserts that its loss halves
 # The library's quick start must keep working: greedy SmolLM2 knows this one.
 generated=$("$CARGO_TARGET_DIR/release/examples/generate" \
   "${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf" \
