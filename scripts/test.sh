@@ -27,14 +27,17 @@ phase "build the tests"
 cargo test --release --locked --workspace --no-run
 phase "tests"
 cargo test --release --locked --workspace
-phase "examples (built by cargo test): toy-models' train_loop, and generate on SmolLM2 Q8_0"
-"$CARGO_TARGET_DIR/release/examples/train_loop" >&2  # asserts that its loss halves
+phase "examples (built by cargo test): toy-models' train_loop, and generate and embed on SmolLM2 Q8_0"
+EXAMPLES="$CARGO_TARGET_DIR/release/examples"
+SMOLLM2_Q8="${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf"
+"$EXAMPLES/train_loop" >&2  # asserts that its loss halves
 # The library's quick start must keep working: greedy SmolLM2 knows this one.
-generated=$("$CARGO_TARGET_DIR/release/examples/generate" \
-  "${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf" \
-  "The capital of France is")
+generated=$("$EXAMPLES/generate" "$SMOLLM2_Q8" "The capital of France is")
 echo "$generated" >&2
 grep -q "Paris" <<<"$generated"
+embedded=$("$EXAMPLES/embed" "$SMOLLM2_Q8")
+echo "$embedded" >&2
+grep -q 'nearest to "The cat sat on the mat.": "A kitten' <<<"$embedded"
 phase "serve soak, 2 minutes: 16 clients of mixed and hostile requests (benches/serve-soak.sh; the hour-long run is by hand)"
 SOAK_S=120 TOY_BIN="$CARGO_TARGET_DIR/release/toy" benches/serve-soak.sh
 phase "fuzz smoke: each target of fuzz/ for 60 s (scripts/fuzz.sh; the long runs are by hand)"

@@ -26,7 +26,7 @@ pub use embedding::TokenEmbedding;
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{LlamaConfig, Transformer};
 pub use load::{LoadError, load};
-pub use model::{CausalLm, Model, load_model};
+pub use model::{CausalLm, EmbedError, Model, load_model};
 pub use qlinear::{PackedMatrix, QLinear};
 pub use save::{SaveError, save, save_gpt2, save_like_base};
 pub use vit::{Vit, VitConfig};

@@ -3,7 +3,7 @@
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, TensorData};
 use toy_core::config::{ModelConfig, NormKind};
 use toy_core::gguf::GgufFile;
 use toy_kernels::ToyBackend;
@@ -38,6 +38,39 @@ pub trait CausalLm<B: ToyBackend> {
     /// Longest context (prompt + generated tokens) the model supports.
     fn context_length(&self) -> usize;
     fn device(&self) -> B::Device;
+
+    /// A sentence embedding of `ids`: the final hidden states (from an empty cache) averaged
+    /// over the tokens and scaled to unit length — what `toy serve`'s `/v1/embeddings` returns.
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EmbedError> {
+        if ids.is_empty() {
+            return Err(EmbedError::Empty);
+        }
+        let ids_i64: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
+        let tokens = Tensor::from_data(TensorData::new(ids_i64, [1, ids.len()]), &self.device());
+        let h = self.forward_hidden(tokens, &mut self.new_cache());
+        let [_, t, d] = h.dims();
+        let mean = h.sum_dim(1).reshape([d]) / t as f32;
+        let mut v = mean
+            .into_data()
+            .convert::<f32>() // f16 activations (`--dtype f16`)
+            .into_vec::<f32>()
+            .map_err(|e| EmbedError::Backend(format!("{e:?}")))?;
+        let norm = v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+        if norm > 0.0 {
+            v.iter_mut()
+                .for_each(|x| *x = (f64::from(*x) / norm) as f32);
+        }
+        Ok(v)
+    }
+}
+
+/// Why [`CausalLm::embed`] gave no vector.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbedError {
+    #[error("nothing to embed: give at least one token")]
+    Empty,
+    #[error("backend error: {0}")]
+    Backend(String),
 }
 
 impl<B: ToyBackend> CausalLm<B> for Transformer<B> {

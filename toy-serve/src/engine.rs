@@ -491,21 +491,7 @@ impl<'m, B: ToyBackend> Engine<'m, B> {
         inputs
             .iter()
             .map(|ids| {
-                let mut cache = self.model.new_cache();
-                let h = self
-                    .model
-                    .forward_hidden(ids_tensor(self.model, ids), &mut cache);
-                let [_, t, d] = h.dims();
-                let mean = h.sum_dim(1).reshape([d]) / t as f32;
-                let mut v = mean
-                    .into_data()
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .map_err(|e| format!("backend error: {e:?}"))?;
-                let norm = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-                if norm > 0.0 {
-                    v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
-                }
+                let v = self.model.embed(ids).map_err(|e| e.to_string())?;
                 self.shared.metrics.prompt_tokens(ids.len());
                 Ok(v)
             })
