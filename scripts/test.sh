@@ -27,7 +27,7 @@ phase "build the tests"
 cargo test --release --locked --workspace --no-run
 phase "tests"
 cargo test --release --locked --workspace
-phase "examples (built by cargo test): toy-models' train_loop, and generate and embed on SmolLM2 Q8_0"
+phase "examples (built by cargo test): toy-models' train_loop; generate, embed and toy-serve's own_app on SmolLM2 Q8_0"
 EXAMPLES="$CARGO_TARGET_DIR/release/examples"
 SMOLLM2_Q8="${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf"
 "$EXAMPLES/train_loop" >&2  # asserts that its loss halves
@@ -38,6 +38,10 @@ grep -q "Paris" <<<"$generated"
 embedded=$("$EXAMPLES/embed" "$SMOLLM2_Q8")
 echo "$embedded" >&2
 grep -q 'nearest to "The cat sat on the mat.": "A kitten' <<<"$embedded"
+# toy-serve's ModelService mounted in an axum app of the example's own, asked one question.
+served=$("$EXAMPLES/own_app" "$SMOLLM2_Q8")
+echo "$served" >&2
+grep -q "Red" <<<"$served"
 phase "serve soak, 2 minutes: 16 clients of mixed and hostile requests (benches/serve-soak.sh; the hour-long run is by hand)"
 SOAK_S=120 TOY_BIN="$CARGO_TARGET_DIR/release/toy" benches/serve-soak.sh
 phase "fuzz smoke: each target of fuzz/ for 60 s (scripts/fuzz.sh; the long runs are by hand)"

@@ -4,7 +4,8 @@
 //! [`serve`] binds the address, starts the engine thread (which loads the model: `/health`
 //! answers 503 until it is ready) and serves until SIGINT/SIGTERM. The engine
 //! ([`engine`]) owns the model; handlers ([`server`]) queue jobs to it and stream tokens back.
-//! See `docs/server.md`.
+//! [`ModelService`] is the same engine and API as an axum `Router` for an app of your own
+//! (`examples/own_app.rs`). See `docs/server.md`.
 
 pub mod api;
 pub mod engine;
@@ -15,21 +16,19 @@ mod http;
 pub mod metrics;
 pub mod prefix_cache;
 pub mod server;
+mod service;
 pub mod state;
 pub mod tools;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde_json::json;
-use tokio::sync::oneshot;
 use toy_kernels::ToyBackend;
 
-use crate::engine::EngineConfig;
-use crate::state::{EventLog, Shared};
+pub use crate::service::ModelService;
 
 /// Everything `toy serve` takes.
 #[derive(Debug, Clone)]
@@ -91,40 +90,47 @@ pub enum ServeError {
     Options(String),
 }
 
+impl ServeOptions {
+    /// `toy serve`'s defaults for `model`: 127.0.0.1:8080, no key, 8 sequences at once, 512
+    /// tokens per pass, 64 waiting, the model's context, 4 MiB bodies, 30 s read timeout, no
+    /// CORS, no events, 10 s shutdown grace, a 1 GiB prefix cache.
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        ServeOptions {
+            model: model.into(),
+            model_id: None,
+            host: "127.0.0.1".into(),
+            port: 8080,
+            api_key: None,
+            max_concurrency: 8,
+            batch_tokens: 512,
+            max_queue: 64,
+            ctx: None,
+            max_body_bytes: 4 << 20,
+            read_timeout: Duration::from_secs(30),
+            cors_origins: Vec::new(),
+            events_dir: None,
+            shutdown_grace: Duration::from_secs(10),
+            backend: "cpu".into(),
+            chat_template: None,
+            cache_ram_mib: 1024,
+        }
+    }
+
+    fn check(&self) -> Result<(), ServeError> {
+        if self.max_concurrency == 0 {
+            return Err(ServeError::Concurrency);
+        }
+        if self.batch_tokens == 0 {
+            return Err(ServeError::BatchTokens);
+        }
+        Ok(())
+    }
+}
+
 /// Serve `options.model` on backend `B` until SIGINT/SIGTERM. Prints
 /// `toy serve: listening on http://ADDR/` on stdout once the model is ready.
 pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<(), ServeError> {
-    if options.max_concurrency == 0 {
-        return Err(ServeError::Concurrency);
-    }
-    if options.batch_tokens == 0 {
-        return Err(ServeError::BatchTokens);
-    }
-    let model_id = options.model_id.clone().unwrap_or_else(|| {
-        options
-            .model
-            .file_name()
-            .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
-            .unwrap_or_else(|| "model".into())
-    });
-    let events = match &options.events_dir {
-        Some(dir) => Some(EventLog::create(dir).map_err(|source| ServeError::Events {
-            dir: dir.clone(),
-            source,
-        })?),
-        None => None,
-    };
-    let (job_tx, job_rx) = std::sync::mpsc::channel();
-    let shared = Arc::new(Shared::new(
-        options.max_concurrency + options.max_queue,
-        options.api_key.clone(),
-        options.max_body_bytes,
-        options.read_timeout,
-        options.backend.clone(),
-        events,
-        job_tx,
-    ));
-
+    options.check()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("toy-http")
@@ -141,34 +147,10 @@ pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<
             source,
         })?;
     let addr = listener.local_addr().map_err(ServeError::Runtime)?;
-
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let engine_config = EngineConfig {
-        model_path: options.model.clone(),
-        model_id,
-        ctx: options.ctx,
-        max_concurrency: options.max_concurrency,
-        batch_tokens: options.batch_tokens,
-        chat_template: options.chat_template.clone(),
-        cache_ram: options.cache_ram_mib.saturating_mul(1 << 20),
-    };
-    let engine_shared = shared.clone();
-    let engine = std::thread::Builder::new()
-        .name("toy-engine".into())
-        .spawn(move || engine::run::<B>(engine_config, device, engine_shared, job_rx, ready_tx))
-        .map_err(ServeError::Runtime)?;
-
-    let result = runtime.block_on(run_server(
-        listener,
-        addr,
-        shared.clone(),
-        ready_rx,
-        &options,
-    ));
-    // Whatever happened, stop the engine: fail what is left, close its queue, wait for it.
-    shared.abort.store(true, Ordering::SeqCst);
-    shared.close_jobs();
-    let _ = engine.join();
+    let mut service = ModelService::start::<B>(&options, device)?;
+    let result = runtime.block_on(run_server(listener, addr, &mut service, &options));
+    // Whatever happened, stop the engine (dropping the service fails what is left and joins it).
+    drop(service);
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
 }
@@ -176,12 +158,11 @@ pub fn serve<B: ToyBackend>(options: ServeOptions, device: B::Device) -> Result<
 async fn run_server(
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
-    shared: Arc<Shared>,
-    ready: oneshot::Receiver<Result<(), String>>,
+    service: &mut ModelService,
     options: &ServeOptions,
 ) -> Result<(), ServeError> {
-    let app = server::with_cors(server::router(shared.clone()), &options.cors_origins)
-        .map_err(ServeError::Options)?;
+    let shared = service.shared().clone();
+    let app = service.router(&options.cors_origins)?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let server = tokio::spawn(http::serve_http(
         listener,
@@ -194,13 +175,10 @@ async fn run_server(
         options.model.display(),
         options.backend
     );
-    let loaded = ready
-        .await
-        .unwrap_or_else(|_| Err("the engine thread stopped while loading".into()));
-    if let Err(e) = loaded {
+    if let Err(e) = service.ready().await {
         let _ = stop_tx.send(true);
         let _ = server.await;
-        return Err(ServeError::Model(e));
+        return Err(e);
     }
     let info = shared.info.get().cloned().expect("ready means loaded");
     if let Some(log) = &shared.events {
