@@ -7,7 +7,7 @@
 # sampled every 10 s. Prints one JSON line (requests, failures, rss_timeline, the idle RSS after
 # each half, the busy peaks of the second and last quarter) and the machine it ran on; exit status
 # 1 if any answer was wrong, the server was not idle after a half, or memory grew: idle RSS less
-# the prefix cache by more than 5% (or 32 MiB) between the halves, or (runs of 600 s and more)
+# the prefix cache by more than 5% (or 32 MiB; 10% or 64 MiB under 600 s) between the halves, or (runs of 600 s and more)
 # the last quarter's busy peak over the second quarter's by as much. scripts/test.sh runs 120 s.
 #
 #   TOY_BIN   toy binary (default: $CARGO_TARGET_DIR/release/toy)
