@@ -27,29 +27,29 @@ pub struct ServeArgs {
     /// The model: a GGUF file, or a name `toy list` prints.
     pub model: PathBuf,
     /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = ServeOptions::DEFAULT_HOST)]
     pub host: String,
     /// Port to listen on (0: any free port; the URL printed at start says which).
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, default_value_t = ServeOptions::DEFAULT_PORT)]
     pub port: u16,
     /// Require `Authorization: Bearer KEY` on the API (not on / and /health).
     #[arg(long, env = "TOY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Sequences generated at once (llama-server's -np). Each step is one forward pass over all
     /// of them (continuous batching): a decode token of each, plus prompt chunks of new ones.
-    #[arg(long, visible_alias = "max-concurrency", default_value_t = 8)]
+    #[arg(long, visible_alias = "max-concurrency", default_value_t = ServeOptions::DEFAULT_PARALLEL)]
     pub parallel: usize,
     /// Most tokens in one forward pass (decode tokens count one each; long prompts are read in
     /// chunks that fit what is left).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = ServeOptions::DEFAULT_BATCH_TOKENS)]
     pub batch_tokens: usize,
     /// MiB of keys and values kept from finished requests (the prefix cache, as llama-server's
     /// --cache-ram): a request whose prompt starts like an earlier one (a shared system prompt,
     /// the earlier turns of a chat) skips those tokens. Least recently used go first; 0: off.
-    #[arg(long, value_name = "MIB", default_value_t = 1024)]
+    #[arg(long, value_name = "MIB", default_value_t = ServeOptions::DEFAULT_CACHE_RAM_MIB)]
     pub cache_ram: usize,
     /// Requests that may wait for a free slot; beyond that new ones get 429 with Retry-After.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = ServeOptions::DEFAULT_MAX_QUEUE)]
     pub max_queue: usize,
     /// Context per request in tokens (prompt + completion; default and maximum: the model's).
     #[arg(long, conflicts_with = "ctx_size")]
@@ -62,12 +62,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub model_id: Option<String>,
     /// Largest request body in bytes; larger ones get 413.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = ServeOptions::DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
     /// Seconds a client has to send a request's headers, and then its body: a slower one is
     /// disconnected (headers) or answered 408 (body), so trickling clients cannot hold
     /// connections (slow-loris). Also how long an idle keep-alive connection stays open.
-    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    #[arg(long, default_value_t = ServeOptions::DEFAULT_READ_TIMEOUT_S, value_name = "SECONDS")]
     pub read_timeout: f64,
     /// Let web pages from ORIGIN call the API from a browser (repeat for several; `*` for any).
     /// Off by default: browsers then refuse other sites' scripts the server's answers.
@@ -84,7 +84,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are failed.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = ServeOptions::DEFAULT_SHUTDOWN_GRACE_S)]
     pub shutdown_grace: f64,
 }
 

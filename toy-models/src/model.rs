@@ -3,7 +3,7 @@
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use toy_core::config::{ModelConfig, NormKind};
 use toy_core::gguf::GgufFile;
 use toy_kernels::ToyBackend;
@@ -45,8 +45,7 @@ pub trait CausalLm<B: ToyBackend> {
         if ids.is_empty() {
             return Err(EmbedError::Empty);
         }
-        let ids_i64: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
-        let tokens = Tensor::from_data(TensorData::new(ids_i64, [1, ids.len()]), &self.device());
+        let tokens = cache::batch_tokens(&[ids], &self.device());
         let h = self.forward_hidden(tokens, &mut self.new_cache());
         let [_, t, d] = h.dims();
         let mean = h.sum_dim(1).reshape([d]) / t as f32;

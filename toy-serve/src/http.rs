@@ -63,23 +63,45 @@ mod tests {
     use std::io::{Read, Write};
     use std::time::Instant;
 
+    /// `app` served by [`serve_http`] on a free local port: the runtime, the address, the stop
+    /// switch and the server's task.
+    struct Running {
+        runtime: tokio::runtime::Runtime,
+        addr: std::net::SocketAddr,
+        stop: watch::Sender<bool>,
+        server: tokio::task::JoinHandle<()>,
+    }
+
+    impl Running {
+        fn start(app: Router, read_timeout: Duration) -> Self {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            let listener = runtime
+                .block_on(TcpListener::bind(("127.0.0.1", 0)))
+                .unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (stop, stop_rx) = watch::channel(false);
+            let server = runtime.spawn(serve_http(listener, app, read_timeout, stop_rx));
+            Running {
+                runtime,
+                addr,
+                stop,
+                server,
+            }
+        }
+
+        fn stop(self) {
+            self.stop.send(true).unwrap();
+            self.runtime.block_on(self.server).unwrap();
+        }
+    }
+
     /// A client that sends half of its headers and then nothing is disconnected after the
     /// read timeout; a whole request on another connection is still answered.
     #[test]
     fn a_client_trickling_its_headers_is_cut_off() {
-        let runtime = tokio::runtime::Runtime::new().unwrap();
-        let listener = runtime
-            .block_on(TcpListener::bind(("127.0.0.1", 0)))
-            .unwrap();
-        let addr = listener.local_addr().unwrap();
         let app = Router::new().route("/", axum::routing::get(|| async { "hello" }));
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let server = runtime.spawn(serve_http(
-            listener,
-            app,
-            Duration::from_millis(300),
-            stop_rx,
-        ));
+        let server = Running::start(app, Duration::from_millis(300));
+        let addr = server.addr;
 
         let mut slow = std::net::TcpStream::connect(addr).unwrap();
         slow.set_read_timeout(Some(Duration::from_secs(20)))
@@ -108,8 +130,7 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(answer.ends_with("hello"), "{answer}");
 
-        stop_tx.send(true).unwrap();
-        runtime.block_on(server).unwrap();
+        server.stop();
     }
 
     /// The limit on concurrent streams per connection is one, by construction: the server
@@ -119,11 +140,6 @@ mod tests {
     fn one_connection_runs_one_request_at_a_time() {
         use std::sync::Arc;
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let runtime = tokio::runtime::Runtime::new().unwrap();
-        let listener = runtime
-            .block_on(TcpListener::bind(("127.0.0.1", 0)))
-            .unwrap();
-        let addr = listener.local_addr().unwrap();
         let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let (r, m) = (running.clone(), most.clone());
         let app = Router::new().route(
@@ -139,8 +155,8 @@ mod tests {
                 }
             }),
         );
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let server = runtime.spawn(serve_http(listener, app, Duration::from_secs(5), stop_rx));
+        let server = Running::start(app, Duration::from_secs(5));
+        let addr = server.addr;
 
         // Three requests written at once on one connection.
         let mut client = std::net::TcpStream::connect(addr).unwrap();
@@ -168,7 +184,6 @@ mod tests {
         let reply = String::from_utf8_lossy(&reply);
         assert!(!reply.contains("200"), "{reply}");
 
-        stop_tx.send(true).unwrap();
-        runtime.block_on(server).unwrap();
+        server.stop();
     }
 }

@@ -91,6 +91,17 @@ pub enum ServeError {
 }
 
 impl ServeOptions {
+    // `toy serve`'s defaults: the CLI's flags take theirs from here.
+    pub const DEFAULT_HOST: &'static str = "127.0.0.1";
+    pub const DEFAULT_PORT: u16 = 8080;
+    pub const DEFAULT_PARALLEL: usize = 8;
+    pub const DEFAULT_BATCH_TOKENS: usize = 512;
+    pub const DEFAULT_MAX_QUEUE: usize = 64;
+    pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+    pub const DEFAULT_READ_TIMEOUT_S: f64 = 30.0;
+    pub const DEFAULT_SHUTDOWN_GRACE_S: f64 = 10.0;
+    pub const DEFAULT_CACHE_RAM_MIB: usize = 1024;
+
     /// `toy serve`'s defaults for `model`: 127.0.0.1:8080, no key, 8 sequences at once, 512
     /// tokens per pass, 64 waiting, the model's context, 4 MiB bodies, 30 s read timeout, no
     /// CORS, no events, 10 s shutdown grace, a 1 GiB prefix cache.
@@ -98,21 +109,21 @@ impl ServeOptions {
         ServeOptions {
             model: model.into(),
             model_id: None,
-            host: "127.0.0.1".into(),
-            port: 8080,
+            host: Self::DEFAULT_HOST.into(),
+            port: Self::DEFAULT_PORT,
             api_key: None,
-            max_concurrency: 8,
-            batch_tokens: 512,
-            max_queue: 64,
+            max_concurrency: Self::DEFAULT_PARALLEL,
+            batch_tokens: Self::DEFAULT_BATCH_TOKENS,
+            max_queue: Self::DEFAULT_MAX_QUEUE,
             ctx: None,
-            max_body_bytes: 4 << 20,
-            read_timeout: Duration::from_secs(30),
+            max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
+            read_timeout: Duration::from_secs_f64(Self::DEFAULT_READ_TIMEOUT_S),
             cors_origins: Vec::new(),
             events_dir: None,
-            shutdown_grace: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs_f64(Self::DEFAULT_SHUTDOWN_GRACE_S),
             backend: "cpu".into(),
             chat_template: None,
-            cache_ram_mib: 1024,
+            cache_ram_mib: Self::DEFAULT_CACHE_RAM_MIB,
         }
     }
 
