@@ -18,56 +18,21 @@
 //!
 //! Measured deviations are printed by each test (`cargo test -- --nocapture`).
 //!
-//! The test bodies are generic over `B: ToyBackend` so that every backend can run them; the
-//! `#[test]` functions below run them on `cpu` (Flex).
+//! The check (`common::matches_llama_cpp`) is generic over `B: ToyBackend`: the `#[test]`
+//! functions below run it on `cpu` (Flex) and `ndarray`, `wgpu.rs` on the cubecl kernels.
 
 mod common;
 
-use common::{expected, fixture, ids, load, logit_deviation};
+use common::{
+    F32_TOL, GELU_TOL, QUANTIZED_TOL, expected, fixture, load, logit_deviation, matches_llama_cpp,
+};
 
 use burn::backend::Flex;
 use toy_core::gguf::GgufFile;
-use toy_core::tokenizer::Tokenizer;
-use toy_kernels::ToyBackend;
 use toy_models::{Model, load_model};
 
-/// Q8_0 fixtures: bit-exact arithmetic, so the oracle's print precision.
-const QUANTIZED_TOL: f64 = 2e-6;
-/// F32 fixtures without GELU: see the module docs.
-const F32_TOL: f64 = 1e-5;
-/// F32 fixtures with ggml's f16-table GELU: see the module docs.
-const GELU_TOL: f64 = 5e-4;
-
-/// Tokenization, greedy ids and logits of fixture `name` (architecture `arch`) on backend `B`.
-fn check<B: ToyBackend>(name: &str, arch: &str, tol: f64, device: &B::Device) {
-    let expected = expected(name);
-    let (file, architecture, model) = load::<B>(name, device);
-    assert_eq!(architecture, arch);
-    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
-
-    for case in expected["greedy"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let text = case["prompt"].as_str().unwrap();
-        assert_eq!(
-            tokenizer.encode(text, true, true).unwrap(),
-            prompt,
-            "{name}: tokens of {text:?}"
-        );
-        let want = ids(&case["gen_ids"]);
-        let got = common::greedy(&model, &prompt, want.len());
-        assert_eq!(got, want, "{name}: greedy ids after {text:?}");
-    }
-
-    let worst = logit_deviation(&model, &expected, device);
-    eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
-    assert!(
-        worst <= tol,
-        "{name}: logits differ from llama.cpp's by {worst:e} (tolerance {tol:e})"
-    );
-}
-
 fn cpu(name: &str, arch: &str, tol: f64) {
-    check::<Flex>(name, arch, tol, &Default::default());
+    matches_llama_cpp::<Flex>(name, arch, tol, None, 0.0, &Default::default());
 }
 
 #[test]
@@ -344,84 +309,6 @@ fn f32_families_on_ndarray() {
         ("gpt2", "gpt2", GELU_TOL),
         ("mistral", "llama", F32_TOL),
     ] {
-        check::<NdArray>(name, arch, tol, &device);
-    }
-}
-
-/// wgpu (`--backend wgpu`; Mesa's lavapipe on a machine without a GPU): the same fixtures
-/// through toy's cubecl kernels. Greedy ids must all match llama.cpp's, as on the CPU. Logits: the
-/// F32 fixtures keep the CPU tolerances (measured: olmoe 1.9e-6, mistral 1.9e-6, gemma2 7.6e-5,
-/// gpt2 1.5e-4); the Q8_0 ones get `WGPU_QUANTIZED_TOL`.
-mod wgpu {
-    use super::*;
-    use burn_cubecl::CubeBackend;
-    use cubecl::wgpu::WgpuRuntime;
-
-    type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
-
-    /// The cubecl Q8_0 kernels quantize activations to llama.cpp's 8-bit blocks and take integer
-    /// block dots, but sum floats (norms, attention, block scales) in another order than ggml: an
-    /// ulp that flips one activation's 8-bit rounding moves logits by up to ~0.02 two layers
-    /// later (measured: qwen2 1.9e-2, qwen3 1.9e-2, llama3 and qwen2-yarn 4.8e-7;
-    /// docs/correctness.md explains the mechanism).
-    const WGPU_QUANTIZED_TOL: f64 = 5e-2;
-
-    fn run(name: &str, arch: &str, tol: f64) {
-        check::<Wgpu>(name, arch, tol, &Default::default());
-    }
-
-    #[test]
-    fn qwen2_on_wgpu() {
-        run("qwen2", "qwen2", WGPU_QUANTIZED_TOL);
-    }
-
-    #[test]
-    fn qwen3_on_wgpu() {
-        run("qwen3", "qwen3", WGPU_QUANTIZED_TOL);
-    }
-
-    #[test]
-    fn llama3_on_wgpu() {
-        run("llama3", "llama", WGPU_QUANTIZED_TOL);
-    }
-
-    #[test]
-    fn qwen2_yarn_on_wgpu() {
-        run("qwen2-yarn", "qwen2", WGPU_QUANTIZED_TOL);
-    }
-
-    #[test]
-    fn gemma2_on_wgpu() {
-        run("gemma2", "gemma2", GELU_TOL);
-    }
-
-    #[test]
-    fn olmoe_on_wgpu() {
-        run("olmoe", "olmoe", F32_TOL);
-    }
-
-    #[test]
-    fn olmoe_q8_0_on_wgpu() {
-        run("olmoe-q8_0", "olmoe", WGPU_QUANTIZED_TOL);
-    }
-
-    #[test]
-    fn gemma2_q8_0_on_wgpu() {
-        run("gemma2-q8_0", "gemma2", WGPU_QUANTIZED_TOL);
-    }
-
-    #[test]
-    fn gpt2_q8_0_on_wgpu() {
-        run("gpt2-q8_0", "gpt2", WGPU_QUANTIZED_TOL);
-    }
-
-    #[test]
-    fn gpt2_on_wgpu() {
-        run("gpt2", "gpt2", GELU_TOL);
-    }
-
-    #[test]
-    fn mistral_on_wgpu() {
-        run("mistral", "llama", F32_TOL);
+        matches_llama_cpp::<NdArray>(name, arch, tol, None, 0.0, &device);
     }
 }

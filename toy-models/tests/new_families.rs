@@ -17,7 +17,7 @@
 //! - `smollm3`: layer 3 of 5 without RoPE (llama.cpp's hard-coded interval 4).
 //! - `granite`: embedding scale 12, residual scale 0.22, attention scale 1/32, logits ÷ 8.
 //!
-//! Each also runs on `ndarray` (F32) and `wgpu` (lavapipe here; F32 and Q8_0).
+//! Each also runs on `ndarray` (F32) and, in `wgpu.rs`, on `wgpu` (lavapipe here; F32 and Q8_0).
 //!
 //! Tolerances as in `families.rs`: the Q8_0 files are computed as llama.cpp computes them
 //! (2e-6, the oracle's print precision); the F32 ones through burn's gemm (1e-5), and with
@@ -29,68 +29,13 @@
 mod common;
 
 use burn::backend::Flex;
-use common::{expected, ids, load, logit_deviation};
+use common::{F32_TOL, GELU_TOL, QUANTIZED_TOL, expected, matches_llama_cpp};
 use toy_core::gguf::GgufFile;
-use toy_core::tokenizer::Tokenizer;
-use toy_kernels::ToyBackend;
-use toy_models::Model;
 
-const QUANTIZED_TOL: f64 = 2e-6;
-const F32_TOL: f64 = 1e-5;
-const GELU_TOL: f64 = 5e-4;
-
-/// Fixture `name` (architecture `arch`) on backend `B`, run with a context of `n_ctx` tokens if
-/// given. Greedy ids must equal llama.cpp's up to the first step whose llama.cpp top-2 margin is
-/// below `min_margin` (0: every step), logits be within `tol` at every prompt position.
-fn check_on<B: ToyBackend>(
-    name: &str,
-    arch: &str,
-    tol: f64,
-    n_ctx: Option<usize>,
-    min_margin: f64,
-    device: &B::Device,
-) {
-    let expected = expected(name);
-    assert_eq!(expected["ggml_isa"], "avx2");
-    let (file, architecture, mut model) = load::<B>(name, device);
-    assert_eq!(architecture, arch);
-    if let (Some(n), Model::Llama(m)) = (n_ctx, &mut model) {
-        m.set_context(n);
-    }
-    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
-    for case in expected["greedy"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let text = case["prompt"].as_str().unwrap();
-        assert_eq!(
-            tokenizer.encode(text, true, true).unwrap(),
-            prompt,
-            "{name}: tokens of {text:?}"
-        );
-        let margins: Vec<f64> = case["margins"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m.as_f64().unwrap())
-            .collect();
-        let steps = margins
-            .iter()
-            .position(|&m| m < min_margin)
-            .unwrap_or(margins.len());
-        let want = &ids(&case["gen_ids"])[..steps];
-        let got = common::greedy(&model, &prompt, steps);
-        assert_eq!(got, want, "{name}: greedy ids after {text:?}");
-    }
-    let worst = logit_deviation(&model, &expected, device);
-    eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
-    assert!(
-        worst <= tol,
-        "{name}: logits differ from llama.cpp's by {worst:e} (tolerance {tol:e})"
-    );
-}
-
-/// On the CPU backend, every step.
+/// On the CPU backend, every step. The fixtures must come from the AVX2 build.
 fn check(name: &str, arch: &str, tol: f64, n_ctx: Option<usize>) {
-    check_on::<Flex>(name, arch, tol, n_ctx, 0.0, &Default::default());
+    assert_eq!(expected(name)["ggml_isa"], "avx2");
+    matches_llama_cpp::<Flex>(name, arch, tol, n_ctx, 0.0, &Default::default());
 }
 
 #[test]
@@ -213,46 +158,6 @@ fn f32_new_families_on_ndarray() {
         ("smollm3", "smollm3", F32_TOL, None),
         ("granite", "granite", F32_TOL, None),
     ] {
-        check_on::<NdArray>(name, arch, tol, n_ctx, 0.0, &device);
-    }
-}
-
-/// wgpu (lavapipe here): the cubecl kernels. F32 fixtures: every id, CPU tolerances. Q8_0: the
-/// kernels sum floats in another order than ggml and an ulp can flip an 8-bit activation
-/// rounding (docs/correctness.md), so logits get families.rs's 5e-2 and ids are required up to
-/// the first step where llama.cpp's own top-2 margin is below 0.1.
-mod wgpu {
-    use super::*;
-    use burn_cubecl::CubeBackend;
-    use cubecl::wgpu::WgpuRuntime;
-
-    type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
-
-    fn run(name: &str, arch: &str, tol: f64, min_margin: f64) {
-        check_on::<Wgpu>(name, arch, tol, None, min_margin, &Default::default());
-    }
-
-    #[test]
-    fn gemma3_on_wgpu() {
-        run("gemma3", "gemma3", GELU_TOL, 0.0);
-        run("gemma3-q8_0", "gemma3", 5e-2, 0.1);
-    }
-
-    #[test]
-    fn phi3_on_wgpu() {
-        run("phi3", "phi3", F32_TOL, 0.0);
-        run("phi3-q8_0", "phi3", 5e-2, 0.1);
-    }
-
-    #[test]
-    fn smollm3_on_wgpu() {
-        run("smollm3", "smollm3", F32_TOL, 0.0);
-        run("smollm3-q8_0", "smollm3", 5e-2, 0.1);
-    }
-
-    #[test]
-    fn granite_on_wgpu() {
-        run("granite", "granite", F32_TOL, 0.0);
-        run("granite-q8_0", "granite", 5e-2, 0.1);
+        matches_llama_cpp::<NdArray>(name, arch, tol, n_ctx, 0.0, &device);
     }
 }

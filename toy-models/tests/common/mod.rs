@@ -14,6 +14,9 @@ use toy_kernels::ToyBackend;
 use toy_models::generate::{GenerateOptions, generate};
 use toy_models::{CausalLm, Model, load_model};
 
+pub mod batching;
+pub mod vit;
+
 #[path = "../../../test-support/smollm2.rs"]
 mod smollm2_path;
 #[allow(unused_imports)] // as with dead_code above: each test binary uses a subset
@@ -85,6 +88,62 @@ pub fn max_abs_diff_per_row(a: &[Vec<f32>], b: &[Vec<f32>]) -> Vec<f32> {
 }
 
 // Tiny random-weight model fixtures (fixtures/models/) and llama.cpp's outputs on them.
+
+/// Q8_0 (and other packed) fixtures: computed as llama.cpp computes them, bit for bit on the
+/// CPU backend, so the oracle's print precision (families.rs explains each tolerance).
+pub const QUANTIZED_TOL: f64 = 2e-6;
+/// F32 fixtures without GELU: burn's gemm sums in another order than ggml's.
+pub const F32_TOL: f64 = 1e-5;
+/// F32 fixtures with ggml's f16-table GELU.
+pub const GELU_TOL: f64 = 5e-4;
+
+/// Fixture `name` (architecture `arch`) on backend `B` against llama.cpp's outputs on it, run
+/// with a context of `n_ctx` tokens if given: the tokens of each prompt, its greedy ids up to
+/// the first step whose llama.cpp top-2 margin is below `min_margin` (0: every step), and the
+/// top-8 logits at every prompt position within `tol`. Generic over the backend: families.rs
+/// and new_families.rs run it on the CPU backends, wgpu.rs on the cubecl kernels.
+pub fn matches_llama_cpp<B: ToyBackend>(
+    name: &str,
+    arch: &str,
+    tol: f64,
+    n_ctx: Option<usize>,
+    min_margin: f64,
+    device: &B::Device,
+) {
+    let expected = expected(name);
+    let (file, architecture, mut model) = load::<B>(name, device);
+    assert_eq!(architecture, arch);
+    if let (Some(n), Model::Llama(m)) = (n_ctx, &mut model) {
+        m.set_context(n);
+    }
+    let tokenizer = toy_core::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    for case in expected["greedy"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let text = case["prompt"].as_str().unwrap();
+        assert_eq!(
+            tokenizer.encode(text, true, true).unwrap(),
+            prompt,
+            "{name}: tokens of {text:?}"
+        );
+        let mut want = ids(&case["gen_ids"]);
+        if min_margin > 0.0 {
+            let margins = case["margins"].as_array().expect("the fixture's margins");
+            let steps = margins
+                .iter()
+                .position(|m| m.as_f64().unwrap() < min_margin)
+                .unwrap_or(margins.len());
+            want.truncate(steps);
+        }
+        let got = greedy(&model, &prompt, want.len());
+        assert_eq!(got, want, "{name}: greedy ids after {text:?}");
+    }
+    let worst = logit_deviation(&model, &expected, device);
+    eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
+    assert!(
+        worst <= tol,
+        "{name}: logits differ from llama.cpp's by {worst:e} (tolerance {tol:e})"
+    );
+}
 
 /// A file of `fixtures/models/`.
 pub fn fixture(name: &str) -> PathBuf {
