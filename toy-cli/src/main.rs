@@ -8,6 +8,7 @@ mod bench;
 mod convert;
 mod describe;
 mod eval;
+mod fetch;
 mod infer;
 mod list;
 mod merge;
@@ -30,6 +31,7 @@ use crate::backend::{BackendKind, Compute, FloatKind};
 /// Examples:
 ///   toy infer model.gguf -p "The capital of France is" -n 32
 ///   toy list                       (the GGUF models on this machine, and their names)
+///   toy fetch bartowski/SmolLM2-135M-Instruct-GGUF   (from the Hugging Face hub)
 ///   toy infer qwen2.5:0.5b -p "Hi" (a name from `toy list`: Ollama, Hugging Face, LM Studio)
 ///   toy infer model.gguf --chat -p "Write a haiku about Rust"
 ///   toy --backend wgpu infer model.gguf -p "Once upon a time"
@@ -82,6 +84,9 @@ enum Command {
     /// List the GGUF models on this machine (Hugging Face, Ollama and LM Studio downloads,
     /// $TOY_MODEL_DIR, ./): the name to give the other commands, and whether toy runs each.
     List(list::ListArgs),
+    /// Download a GGUF file from the Hugging Face hub into its cache (resumable, SHA-256
+    /// checked), where `toy list` and the other tools find it.
+    Fetch(fetch::FetchArgs),
     /// Print a model's architecture card: shape, RoPE, vocabulary, tensor types and sizes.
     Describe(describe::DescribeArgs),
     /// Rewrite a model with its weights in another type (metadata and tokenizer kept).
@@ -145,6 +150,7 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => tokenize::run(args),
         Command::Describe(args) => describe::run(args),
         Command::List(args) => list::run(args),
+        Command::Fetch(args) => fetch::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Bench(args) => bench::run(compute, args),
         Command::Train(args) => train::run(compute, *args),
