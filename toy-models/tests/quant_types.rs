@@ -16,38 +16,15 @@
 mod common;
 
 use burn::backend::Flex;
-use common::{expected, ids, load, logit_deviation, model_cache, open_cached};
-use toy_core::tokenizer::Tokenizer;
+use common::{expected, ids, matches_llama_cpp, model_cache, open_cached};
 
 /// The oracle prints 9 significant digits; the arithmetic is the same bit for bit.
 const TOL: f64 = 2e-6;
 
 fn check(name: &str) {
-    let device = Default::default();
     // Sets the CPU backend to the fixture's llama.cpp build (AVX2).
-    let expected = expected(name);
-    assert_eq!(expected["ggml_isa"], "avx2");
-    let (file, architecture, model) = load::<Flex>(name, &device);
-    assert_eq!(architecture, "llama");
-    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
-    for case in expected["greedy"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let text = case["prompt"].as_str().unwrap();
-        assert_eq!(
-            tokenizer.encode(text, true, true).unwrap(),
-            prompt,
-            "{name}: tokens of {text:?}"
-        );
-        let want = ids(&case["gen_ids"]);
-        let got = common::greedy(&model, &prompt, want.len());
-        assert_eq!(got, want, "{name}: greedy ids after {text:?}");
-    }
-    let worst = logit_deviation(&model, &expected, &device);
-    eprintln!("{name}: greedy ids identical, largest logit deviation {worst:.1e}");
-    assert!(
-        worst <= TOL,
-        "{name}: logits differ from llama.cpp's by {worst:e}"
-    );
+    assert_eq!(expected(name)["ggml_isa"], "avx2");
+    matches_llama_cpp::<Flex>(name, "llama", TOL, None, 0.0, &Default::default());
 }
 
 #[test]

@@ -11,15 +11,7 @@ pub const STEPS: usize = 10;
 /// for `toy_models::PROMPT_CHUNK` so that the fixtures' short prompts are split.
 pub const CHUNK: usize = 5;
 
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use toy_core::sampling::argmax;
 
 /// Prompt `i`: 1 to 23 ids below `vocab`, from a fixed generator.
 pub fn prompt(i: usize, vocab: usize) -> Vec<u32> {
