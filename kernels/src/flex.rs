@@ -30,7 +30,9 @@ use crate::{
 /// kernels give these bits on any CPU; the setting only chooses which llama.cpp to agree with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlIsa {
+    /// The AVX2 build: 8 f32 lanes.
     Avx2,
+    /// The AVX-512 build without AVX512_BF16: 16 f32 lanes.
     Avx512,
     /// The AVX-512 build compiled with AVX512_BF16 (what `GGML_NATIVE` gives on Zen 4 or
     /// Sapphire Rapids): as `Avx512`, but bf16 dot products (`vec_dot_bf16`, bf16 tinyBLAS) take

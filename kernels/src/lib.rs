@@ -12,6 +12,8 @@
 //!
 //! This crate knows nothing of models: ops take tensors and plain options.
 
+#![warn(missing_docs)]
+
 mod autodiff;
 pub mod cube;
 pub mod flex;
@@ -67,19 +69,28 @@ impl AttentionOptions {
 /// [`ToyBackend::attention`].
 #[derive(Debug, Clone)]
 pub struct AttentionPart<B: Backend> {
+    /// Queries `[b, h, tq, d]`.
     pub q: FloatTensor<B>,
+    /// Keys `[b, h_kv, tk, d]`.
     pub k: FloatTensor<B>,
+    /// Values `[b, h_kv, tk, d]`.
     pub v: FloatTensor<B>,
+    /// This sequence's scale, offset, window and soft-cap.
     pub options: AttentionOptions,
 }
 
 /// One AdamW step's settings: burn's `AdamW` with its learning rate and the step number.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {
+    /// Learning rate: the step is `lr · m̂ / (sqrt(v̂) + epsilon)`.
     pub lr: f64,
+    /// Decay of the first moment (the running mean of the gradient).
     pub beta_1: f32,
+    /// Decay of the second moment (the running mean of the squared gradient).
     pub beta_2: f32,
+    /// Added to `sqrt(v̂)` in the denominator, against division by zero.
     pub epsilon: f32,
+    /// Decoupled weight decay: the parameter is first multiplied by `1 - lr · weight_decay`.
     pub weight_decay: f32,
     /// The step number, from 1 (what the bias corrections raise the betas to).
     pub time: usize,

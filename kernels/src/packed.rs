@@ -67,6 +67,7 @@ pub fn row_words(ty: GgmlType, cols: usize) -> usize {
 /// A packed weight on a backend's device (see the module docs for the layouts).
 #[derive(Debug, Clone)]
 pub struct PackedTensor<B: Backend> {
+    /// The GGUF type of the blocks (one of `PACKED_TYPES`).
     pub ty: GgmlType,
     /// Values per row (the `in` features).
     pub cols: usize,
@@ -90,36 +91,55 @@ pub struct PackedTensor<B: Backend> {
 /// A packed weight on the host, ready to become device tensors.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostPacked {
+    /// The GGUF type of the blocks.
     pub ty: GgmlType,
+    /// Rows of the weight (the `out` features).
     pub rows: usize,
+    /// Values per row (the `in` features).
     pub cols: usize,
     /// `[rows, row_words(ty, cols)]`, row-major.
     pub words: Vec<u32>,
+    /// Split layouts: `[rows, cols / 32]` f32 block scales, row-major.
     pub scales: Option<Vec<f32>>,
+    /// Q4_1: `[rows, cols / 32]` f32 block offsets, row-major.
     pub mins: Option<Vec<f32>>,
 }
 
 /// Why GGUF bytes cannot be packed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PackError {
+    /// The type is not one of `PACKED_TYPES`.
     #[error("{ty} weights are not kept packed (packed types: {})", packed_names())]
-    Unsupported { ty: GgmlType },
+    Unsupported {
+        /// The weight's type.
+        ty: GgmlType,
+    },
+    /// The rows are empty or not a whole number of the type's blocks.
     #[error(
         "a {ty} row holds a whole number of {block}-value blocks, but this weight's rows have {cols} values"
     )]
     PartialBlock {
+        /// The weight's type.
         ty: GgmlType,
+        /// Values per row.
         cols: usize,
+        /// Values per block of `ty`.
         block: usize,
     },
+    /// The data is not the length that `rows × cols` values of the type take.
     #[error(
         "{rows} rows of {cols} {ty} values take {need} bytes, but the tensor has {have}: the file is truncated or corrupt"
     )]
     Size {
+        /// The weight's type.
         ty: GgmlType,
+        /// Rows of the weight.
         rows: usize,
+        /// Values per row.
         cols: usize,
+        /// Bytes the weight takes.
         need: usize,
+        /// Bytes given.
         have: usize,
     },
 }
@@ -574,9 +594,13 @@ pub fn gguf_row<'a>(p: &HostPackedView<'a>, r: usize) -> Vec<u8> {
 /// Borrowed host data of a packed weight.
 #[derive(Debug, Clone, Copy)]
 pub struct HostPackedView<'a> {
+    /// The GGUF type of the blocks.
     pub ty: GgmlType,
+    /// Rows of the weight (the `out` features).
     pub rows: usize,
+    /// Values per row (the `in` features).
     pub cols: usize,
+    /// The packed words, `rows × row_words(ty, cols)` of them, in `layout`.
     pub words: &'a [u32],
     /// Empty for the blocks layout.
     pub scales: &'a [f32],
@@ -587,6 +611,7 @@ pub struct HostPackedView<'a> {
 }
 
 impl HostPacked {
+    /// This weight borrowed as a view, in the file's row layout.
     pub fn view(&self) -> HostPackedView<'_> {
         HostPackedView {
             ty: self.ty,

@@ -211,11 +211,14 @@ pub fn host_words(data: TensorData) -> Vec<u32> {
     }
 }
 
+/// `x[m, k] · w[n, k]ᵀ` (see `ToyBackend::dense_linear`).
 pub fn dense_linear<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B> {
     let y = float::<B, 2>(x).matmul(float::<B, 2>(w).transpose());
     y.into_primitive().tensor()
 }
 
+/// `dx = dy · w` and, when `x` is given, `dw = dyᵀ · x` (see
+/// `ToyBackend::dense_linear_backward`).
 pub fn dense_linear_backward<B: Backend>(
     w: FloatTensor<B>,
     dy: FloatTensor<B>,
@@ -230,6 +233,8 @@ pub fn dense_linear_backward<B: Backend>(
     (dx.into_primitive().tensor(), dw)
 }
 
+/// `x / sqrt(mean(x²) + eps) * weight` over the last dim, computed in f32 and cast back to the
+/// activations' type.
 pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f32) -> FloatTensor<B> {
     let shape = x.shape();
     let d = shape[shape.num_dims() - 1];
@@ -252,6 +257,8 @@ fn rms_scale<B: Backend>(x: Tensor<B, 2>, eps: f32) -> Tensor<B, 2> {
     x.square().mean_dim(1).add_scalar(eps).sqrt().recip()
 }
 
+/// The gradients `(dx, dweight)` of `rms_norm` (see `ToyBackend::rms_norm_backward`), in f32
+/// as the forward; `dweight` only when `weight_grad`.
 pub fn rms_norm_backward<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
@@ -284,6 +291,7 @@ pub fn rms_norm_backward<B: Backend>(
     (dx, dweight)
 }
 
+/// `silu(gate) * up`, elementwise.
 pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTensor<B> {
     let shape = up.shape();
     let flat = |t| float::<B, 1>(B::float_reshape(t, Shape::new([shape.num_elements()])));
@@ -291,6 +299,7 @@ pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTens
     B::float_reshape(y.into_primitive().tensor(), shape)
 }
 
+/// The gradients `(dgate, dup)` of `swiglu` (see `ToyBackend::swiglu_backward`).
 pub fn swiglu_backward<B: Backend>(
     gate: FloatTensor<B>,
     up: FloatTensor<B>,
@@ -306,6 +315,7 @@ pub fn swiglu_backward<B: Backend>(
     (shaped(d_gate), shaped(d_up))
 }
 
+/// `x[b, t, heads · d]` as `[b, heads, t, d]`: a reshape and a swap of dims, no copy.
 pub fn split_heads<B: Backend>(x: FloatTensor<B>, heads: usize) -> FloatTensor<B> {
     let x: Tensor<B, 3> = float(x);
     let [b, t, width] = x.dims();
@@ -313,6 +323,7 @@ pub fn split_heads<B: Backend>(x: FloatTensor<B>, heads: usize) -> FloatTensor<B
     heads.into_primitive().tensor()
 }
 
+/// `x[b, heads, t, d]` as `[b, t, heads · d]`.
 pub fn merge_heads<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     let x: Tensor<B, 4> = float(x);
     let [b, heads, t, d] = x.dims();
@@ -320,6 +331,8 @@ pub fn merge_heads<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     merged.into_primitive().tensor()
 }
 
+/// Rotary embedding of `x[b, h, t, d]` by the f32 tables `cos[t, half]` and `sin[t, half]`, in
+/// the activations' type: the first `2 · half` dims of each head rotate, the rest pass through.
 pub fn rope<B: Backend>(
     x: FloatTensor<B>,
     cos: FloatTensor<B>,
@@ -503,6 +516,9 @@ pub fn write_tokens<B: Backend>(
     B::float_slice_assign(buffer, &slices, x)
 }
 
+/// Causal grouped-query attention (see `ToyBackend::attention`): the softmax of the masked
+/// (and optionally soft-capped) scores times `v`, with the query heads that share a K/V head
+/// stacked as rows against it instead of copying K/V.
 pub fn attention<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,

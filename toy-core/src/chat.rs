@@ -34,10 +34,12 @@ use serde::{Deserialize, Serialize};
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` (templates may accept others, e.g. `tool`).
     pub role: String,
+    /// The text of the turn.
     pub content: String,
 }
 
 impl ChatMessage {
+    /// A message with `role` and `content`.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
             role: role.into(),
@@ -46,6 +48,7 @@ impl ChatMessage {
     }
 }
 
+/// Why a chat template could not be rendered.
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
     /// The template does not parse or fails while rendering.

@@ -7,12 +7,16 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite", "olmoe", "gpt2",
 ];
 
+/// Why a GGUF file's metadata does not give a model toy can run.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// `general.architecture` is not one of `SUPPORTED_ARCHITECTURES`.
     #[error("unsupported architecture {0:?}: toy runs {supported}", supported = SUPPORTED_ARCHITECTURES.join(", "))]
     UnsupportedArchitecture(String),
+    /// A GGUF error, such as a required key that is missing or of the wrong type.
     #[error(transparent)]
     Gguf(#[from] GgufError),
+    /// Metadata that is present but inconsistent or out of range; the message says which.
     #[error("invalid model metadata: {0}")]
     Invalid(String),
 }
@@ -30,17 +34,24 @@ pub enum RopeLayout {
 /// RoPE frequency scaling, as `<arch>.rope.scaling.*` describes it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RopeScaling {
+    /// No scaling.
     None,
     /// Positions divided by `factor`.
     Linear {
+        /// Divisor of the positions (`rope.scaling.factor`).
         factor: f32,
     },
     /// YaRN: slow-rotating dims interpolated by `factor`, fast ones kept, a magnitude correction.
     Yarn {
+        /// Context extension factor: interpolated dims' frequencies are divided by it.
         factor: f32,
+        /// Context length before the extension (default `context_length`).
         original_context: usize,
+        /// Turns over the original context above which a dim is kept as is (default 32).
         beta_fast: f32,
+        /// Turns over the original context below which a dim is fully interpolated (default 1).
         beta_slow: f32,
+        /// Extra factor on the magnitude correction (`attn_factor`, default 1).
         attn_factor: f32,
     },
 }
@@ -48,6 +59,7 @@ pub enum RopeScaling {
 /// How queries and keys are normalized before RoPE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkNorm {
+    /// No query/key normalization.
     None,
     /// RMSNorm of each head (weights of `head_dim`): qwen3.
     PerHead,
@@ -76,7 +88,9 @@ pub enum FfnKind {
     Gelu,
     /// A router picks `n_expert_used` of `n_expert` SwiGLU experts per token (olmoe).
     Moe {
+        /// Number of experts per block.
         n_expert: usize,
+        /// Number of experts each token is routed to.
         n_expert_used: usize,
         /// Renormalize the chosen experts' softmax weights to sum to 1 (olmoe: no).
         norm_weights: bool,
@@ -86,22 +100,35 @@ pub enum FfnKind {
 /// Everything the transformer needs to know about its shape, read from metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
+    /// `general.architecture`, one of `SUPPORTED_ARCHITECTURES`.
     pub architecture: String,
+    /// `general.name`, if the file sets it.
     pub name: Option<String>,
+    /// Number of transformer blocks (`block_count`).
     pub n_layer: usize,
+    /// Width of the residual stream (`embedding_length`).
     pub d_model: usize,
+    /// Number of query heads.
     pub n_head: usize,
+    /// Number of key/value heads, a divisor of `n_head` (fewer with grouped-query attention).
     pub n_head_kv: usize,
+    /// Width of each attention head (`attention.key_length`, default `d_model / n_head`).
     pub head_dim: usize,
+    /// Hidden width of the feed-forward network (of each expert, for a mixture of experts).
     pub d_ff: usize,
+    /// Number of tokens (`vocab_size`, default the rows of `token_embd.weight`).
     pub vocab_size: usize,
     /// Longest context the model was trained for.
     pub context_length: usize,
+    /// Epsilon of the normalization layers (default 1e-5).
     pub rms_eps: f32,
+    /// RoPE frequency base θ (`rope.freq_base`, default 10 000).
     pub rope_theta: f32,
     /// Number of dimensions of each head that RoPE rotates (usually `head_dim`).
     pub rope_dim: usize,
+    /// How RoPE pairs the dims of a head.
     pub rope_layout: RopeLayout,
+    /// RoPE frequency scaling for contexts beyond the trained one.
     pub rope_scaling: RopeScaling,
     /// The output projection reuses `token_embd.weight` (no `output.weight` tensor).
     pub tied_embeddings: bool,
@@ -111,6 +138,7 @@ pub struct ModelConfig {
     pub qk_norm: QkNorm,
     /// RMSNorm or LayerNorm (`rms_eps` is the epsilon of either).
     pub norm: NormKind,
+    /// The feed-forward network of each block.
     pub ffn: FfnKind,
     /// Token embeddings are multiplied by this (gemma: `sqrtf(d_model)`, granite: its
     /// `embedding_scale`).
@@ -156,6 +184,8 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Read the configuration from a file's `<arch>.*` metadata and the presence and shapes of its
+    /// tensors, refusing unsupported architectures and inconsistent values.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ConfigError> {
         let arch = file.architecture()?.to_string();
         if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {

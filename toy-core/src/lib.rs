@@ -5,6 +5,8 @@
 //! ([`config`]), RoPE angles ([`rope`]), sampling ([`sampling`]) and files written whole or not
 //! at all ([`atomic`]).
 
+#![warn(missing_docs)]
+
 pub mod atomic;
 pub mod chat;
 pub mod clock;

@@ -3,14 +3,17 @@
 //! orders, dropout masks and recorded loss curves stay reproducible. Every seeded stream of toy
 //! draws from it.
 
+/// A SplitMix64 generator; the `u64` is its state, advanced by a fixed odd constant per draw.
 #[derive(Debug, Clone)]
 pub struct SplitMix64(u64);
 
 impl SplitMix64 {
+    /// A generator whose stream is fixed by `seed`.
     pub fn new(seed: u64) -> Self {
         SplitMix64(seed)
     }
 
+    /// The next 64 uniformly distributed bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

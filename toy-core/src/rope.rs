@@ -10,6 +10,7 @@ use crate::config::{ModelConfig, RopeScaling};
 pub struct RopeAngles {
     /// Rotated dims per head (pairs = `n_dims / 2`).
     pub n_dims: usize,
+    /// RoPE base θ: pair i turns by `freq_base^(-2i / n_dims)` radians per position.
     pub freq_base: f32,
     /// Positions are multiplied by this (1 / scaling factor for linear and YaRN).
     pub freq_scale: f32,

@@ -75,6 +75,7 @@ impl SamplingParams {
         }
     }
 
+    /// Whether these settings decode greedily: a temperature of zero or less, or NaN.
     pub fn is_greedy(&self) -> bool {
         // `!(t > 0)` so that NaN counts as greedy too.
         self.temperature.is_nan() || self.temperature <= 0.0
@@ -122,6 +123,7 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler whose random draws are seeded by `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
         Self {
             rng: Xoshiro256::seed_from(params.seed),
@@ -129,6 +131,7 @@ impl Sampler {
         }
     }
 
+    /// The settings it samples with.
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
@@ -270,10 +273,18 @@ fn softmax(cands: &[(u32, f32)], temperature: f32) -> Vec<f64> {
 pub enum StopStatus {
     /// No stop string yet. `text[..emit_upto]` can be shown; the rest could still turn out to
     /// be the start of a stop string.
-    Continue { emit_upto: usize },
+    Continue {
+        /// Bytes of the text that can be shown.
+        emit_upto: usize,
+    },
     /// Stop string number `stop` appeared; the answer is `text[..emit_upto]` (the stop string
     /// itself is not part of it).
-    Stop { emit_upto: usize, stop: usize },
+    Stop {
+        /// Bytes of the text before the stop string.
+        emit_upto: usize,
+        /// Index of the stop string that matched.
+        stop: usize,
+    },
 }
 
 /// Stop strings (OpenAI's `stop`, llama.cpp's antiprompts) checked against generated text.
@@ -347,10 +358,12 @@ impl StopStrings {
         self.stopped
     }
 
+    /// Whether there are no (non-empty) stop strings, so nothing can stop generation.
     pub fn is_empty(&self) -> bool {
         self.stops.is_empty()
     }
 
+    /// The stop strings, in the order given, without empty ones.
     pub fn strings(&self) -> &[String] {
         &self.stops
     }

@@ -27,6 +27,7 @@ pub struct SeqId(u64);
 /// What one step did for one sequence.
 #[derive(Debug, Clone)]
 pub struct Ran {
+    /// The sequence.
     pub id: SeqId,
     /// Tokens of this sequence the step ran.
     pub tokens: usize,
@@ -40,7 +41,9 @@ pub struct Ran {
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
 pub struct StepError {
+    /// The sequences the failed step carried.
     pub ids: Vec<SeqId>,
+    /// What went wrong.
     pub message: String,
 }
 
@@ -125,6 +128,7 @@ impl<B: ToyBackend> Batch<B> {
         self.slots.len()
     }
 
+    /// Whether the batch has no sequences.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }

@@ -42,6 +42,7 @@ pub struct KvCache<B: Backend> {
 const CAPACITY_STEP: usize = 64;
 
 impl<B: Backend> KvCache<B> {
+    /// An empty cache for a model of `n_layer` layers (buffers are allocated at the first token).
     pub fn new(n_layer: usize) -> Self {
         KvCache {
             layers: vec![None; n_layer],
@@ -98,6 +99,7 @@ impl<B: Backend> KvCache<B> {
         self.len
     }
 
+    /// Whether no tokens are held.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -217,9 +219,13 @@ fn regrow<B: ToyBackend>(old: Tensor<B, 4>, keep: usize, capacity: usize) -> Ten
 /// One sequence's share of a forward pass: `len` new tokens, rows `start..start + len` of the
 /// pass's activations, placed after the `past` tokens its cache holds.
 pub struct Segment<'c, B: Backend> {
+    /// First row of the pass's activations that is this sequence's.
     pub start: usize,
+    /// New tokens (rows) of this sequence in the pass.
     pub len: usize,
+    /// Tokens the cache held before the pass (the position of the first new token).
     pub past: usize,
+    /// The sequence's cache, which the pass appends to.
     pub cache: &'c mut KvCache<B>,
 }
 

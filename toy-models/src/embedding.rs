@@ -9,6 +9,7 @@ use toy_kernels::ToyBackend;
 
 use crate::qlinear::{PackedMatrix, QLinear};
 
+/// The token embedding table of a model: `[vocab, d]`, dense or in its GGUF block format.
 #[derive(Module, Debug)]
 pub enum TokenEmbedding<B: Backend> {
     /// An f32 table `[vocab, d]` (burn's `Embedding`).

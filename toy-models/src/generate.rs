@@ -12,18 +12,25 @@ use crate::batch::Batch;
 use crate::cache::PROMPT_CHUNK;
 use crate::model::CausalLm;
 
+/// Why `generate` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
+    /// No prompt tokens were given.
     #[error("the prompt is empty: give at least one token")]
     EmptyPrompt,
+    /// The prompt and the new tokens asked for do not fit the model's context.
     #[error(
         "prompt of {prompt} tokens plus {max_new} new tokens exceeds the context of {context}; shorten the prompt or lower -n"
     )]
     ContextOverflow {
+        /// Tokens in the prompt.
         prompt: usize,
+        /// New tokens asked for.
         max_new: usize,
+        /// The model's context length.
         context: usize,
     },
+    /// A step of the generation core failed; its message.
     #[error("backend error: {0}")]
     Backend(String),
 }
@@ -31,15 +38,20 @@ pub enum GenerateError {
 /// What a generation did and how fast.
 #[derive(Debug, Clone, Default)]
 pub struct GenerationStats {
+    /// Tokens in the prompt.
     pub prompt_tokens: usize,
+    /// Tokens generated (the end-of-generation token not counted).
     pub generated_tokens: usize,
+    /// Time to run the prompt (prefill), up to its first logits.
     pub prompt_time: Duration,
+    /// Time spent sampling and decoding after the prefill.
     pub generation_time: Duration,
     /// Why it stopped: "eog", "length" or "stop".
     pub finish_reason: &'static str,
 }
 
 impl GenerationStats {
+    /// Prefill speed: prompt tokens per second.
     pub fn prompt_tokens_per_s(&self) -> f64 {
         self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
     }

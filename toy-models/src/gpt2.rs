@@ -34,6 +34,7 @@ pub struct Gpt2Config {
     pub n_head: usize,
     /// Hidden width of the GELU MLP (4 × `d_model` in OpenAI's GPT-2).
     pub d_ff: usize,
+    /// Tokens in the vocabulary.
     pub vocab_size: usize,
     /// Positions with a learned embedding: the longest context.
     pub context_length: usize,
@@ -108,24 +109,38 @@ impl Gpt2Config {
 /// The whole GPT-2 model.
 #[derive(Module, Debug)]
 pub struct Gpt2<B: Backend> {
+    /// The token embedding table, `[vocab_size, d_model]`.
     pub token_embd: Embedding<B>,
     /// `[context_length, d_model]`: one learned vector per position.
     pub pos_embd: Embedding<B>,
+    /// The transformer blocks, first to last.
     pub blocks: Vec<Gpt2Block<B>>,
+    /// The final LayerNorm, applied before the output head.
     pub output_norm: LayerNorm<B>,
+    /// The output head, `[vocab_size, d_model]` (read from the token embedding when the GGUF
+    /// has no `output.weight`).
     pub output: QLinear<B>,
+    /// Longest context (prompt + generated tokens), the positions `pos_embd` covers.
     pub context_length: usize,
 }
 
+/// One pre-LayerNorm GPT-2 block: attention, then the GELU MLP, each added to the residual
+/// stream.
 #[derive(Module, Debug)]
 pub struct Gpt2Block<B: Backend> {
+    /// LayerNorm before attention.
     pub attn_norm: LayerNorm<B>,
     /// `[3 * d_model, d_model]`: Q, K and V stacked.
     pub qkv: Linear<B>,
+    /// Attention output projection, `[d_model, d_model]`.
     pub wo: Linear<B>,
+    /// LayerNorm before the MLP.
     pub ffn_norm: LayerNorm<B>,
+    /// MLP up projection, `[d_ff, d_model]`.
     pub up: Linear<B>,
+    /// MLP down projection, `[d_model, d_ff]`.
     pub down: Linear<B>,
+    /// Attention heads.
     pub n_head: usize,
     /// LoRA adapters on `qkv`, `wo`, `up`, `down` (`None`: the plain model).
     pub lora: Option<BlockLora<B>>,
@@ -134,7 +149,9 @@ pub struct Gpt2Block<B: Backend> {
 /// A linear layer with bias.
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
+    /// The weight, `[out, in]`.
     pub weight: QLinear<B>,
+    /// The bias, `[out]`, added after the matmul.
     pub bias: Param<Tensor<B, 1>>,
 }
 
@@ -142,12 +159,16 @@ pub struct Linear<B: Backend> {
 /// (`ggml_norm`, then `ggml_mul` by the weight, then `ggml_add` of the bias).
 #[derive(Module, Debug)]
 pub struct LayerNorm<B: Backend> {
+    /// Scale per feature, `[d]`.
     pub weight: Param<Tensor<B, 1>>,
+    /// Shift per feature, `[d]`.
     pub bias: Param<Tensor<B, 1>>,
+    /// Added to the variance before the square root.
     pub eps: f64,
 }
 
 impl<B: Backend> LayerNorm<B> {
+    /// `x` normalized over its last dimension, then scaled and shifted.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let mean = x.clone().mean_dim(D - 1);
         let centered = x - mean;
@@ -158,6 +179,7 @@ impl<B: Backend> LayerNorm<B> {
 }
 
 impl<B: ToyBackend> Linear<B> {
+    /// `x[.., in] -> [.., out]`, bias added.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         self.forward_adapted(None, x)
     }
@@ -226,14 +248,17 @@ impl<B: Backend> Adaptable<B> for Gpt2<B> {
 }
 
 impl<B: ToyBackend> Gpt2<B> {
+    /// Number of transformer blocks.
     pub fn n_layer(&self) -> usize {
         self.blocks.len()
     }
 
+    /// The device the model's weights are on.
     pub fn device(&self) -> B::Device {
         self.output_norm.weight.device()
     }
 
+    /// An empty KV cache for one sequence of this model.
     pub fn new_cache(&self) -> KvCache<B> {
         KvCache::new(self.blocks.len())
     }

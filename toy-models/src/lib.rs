@@ -6,6 +6,8 @@
 //! [`batch::Batch`] is the generation core (sequences stepped together, continuous batching)
 //! that [`generate::generate`] and `toy serve` drive.
 
+#![warn(missing_docs)]
+
 pub mod batch;
 pub mod cache;
 pub mod embedding;

@@ -13,24 +13,39 @@ use crate::embedding::TokenEmbedding;
 use crate::llama::{Attention, Block, Ffn, LlamaConfig, LongRope, Mlp, Moe, Transformer};
 use crate::qlinear::{PackedMatrix, QLinear};
 
+/// Why a GGUF file could not be loaded as a model.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
+    /// The file's metadata does not describe a supported model.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// Reading the GGUF file failed.
     #[error(transparent)]
     Gguf(#[from] GgufError),
+    /// A tensor the model needs is not in the file; its name.
     #[error("tensor {0:?} is missing from the GGUF file")]
     MissingTensor(String),
+    /// The file holds a model outside the llama family (GPT-2, say); its architecture.
     #[error(
         "{0} is not a llama-family architecture and this runs llama-family models only ({0} runs in `toy infer`; in Rust, load it with toy_models::load_model)"
     )]
     NotLlama(String),
+    /// A tensor's blocks could not be packed for the device.
     #[error("tensor {name:?}: {source}")]
-    Pack { name: String, source: PackError },
+    Pack {
+        /// The tensor.
+        name: String,
+        /// Why it could not be packed.
+        source: PackError,
+    },
+    /// A tensor's shape is not the one the config implies.
     #[error("tensor {name:?} has shape {found:?} (ggml order), expected {expected:?}")]
     ShapeMismatch {
+        /// The tensor's name.
         name: String,
+        /// The expected ggml dims.
         expected: Vec<u64>,
+        /// The ggml dims in the file.
         found: Vec<u64>,
     },
 }

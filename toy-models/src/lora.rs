@@ -26,12 +26,19 @@ use crate::qlinear::{QLinear, dense_linear};
 /// A projection an adapter can sit on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Target {
+    /// The query projection.
     Q,
+    /// The key projection.
     K,
+    /// The value projection.
     V,
+    /// The attention output projection.
     O,
+    /// The MLP gate projection.
     Gate,
+    /// The MLP up projection.
     Up,
+    /// The MLP down projection.
     Down,
     /// Q, K and V stored as one matrix (phi3's `attn_qkv`, GPT-2's `c_attn`).
     Qkv,
@@ -40,6 +47,7 @@ pub enum Target {
 }
 
 impl Target {
+    /// Every target, separate and fused, in declaration order.
     pub const ALL: [Target; 9] = [
         Target::Q,
         Target::K,
@@ -78,6 +86,7 @@ impl Target {
         }
     }
 
+    /// The target of a short name (`Target::name`), if any.
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|t| t.name() == name)
     }
@@ -195,14 +204,23 @@ pub fn project<B: ToyBackend, const D: usize>(
 /// The adapters of one block (any subset of the seven projections).
 #[derive(Module, Debug)]
 pub struct BlockLora<B: Backend> {
+    /// Adapter on the query projection.
     pub q: Option<Lora<B>>,
+    /// Adapter on the key projection.
     pub k: Option<Lora<B>>,
+    /// Adapter on the value projection.
     pub v: Option<Lora<B>>,
+    /// Adapter on the attention output projection.
     pub o: Option<Lora<B>>,
+    /// Adapter on the MLP gate projection.
     pub gate: Option<Lora<B>>,
+    /// Adapter on the MLP up projection.
     pub up: Option<Lora<B>>,
+    /// Adapter on the MLP down projection.
     pub down: Option<Lora<B>>,
+    /// Adapter on the fused Q|K|V matrix.
     pub qkv: Option<Lora<B>>,
+    /// Adapter on the fused gate|up matrix.
     pub gate_up: Option<Lora<B>>,
 }
 
@@ -222,6 +240,7 @@ impl<B: Backend> BlockLora<B> {
         }
     }
 
+    /// The adapter on `t`, if there is one.
     pub fn get(&self, t: Target) -> Option<&Lora<B>> {
         match t {
             Target::Q => self.q.as_ref(),
@@ -255,32 +274,50 @@ impl<B: Backend> BlockLora<B> {
 /// Every block's adapters, apart from the model: what a LoRA checkpoint records.
 #[derive(Module, Debug)]
 pub struct LoraAdapters<B: Backend> {
+    /// One entry per block of the model, in order.
     pub blocks: Vec<BlockLora<B>>,
 }
 
 /// The shape of a set of adapters.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
+    /// Rank `r` of each adapter.
     pub rank: usize,
+    /// Scaling numerator: adapters scale their output by `alpha / rank`.
     pub alpha: f32,
+    /// Dropout probability on each adapter's input during training.
     pub dropout: f32,
+    /// The projections that get an adapter.
     pub targets: Vec<Target>,
 }
 
+/// Why a model cannot take the adapters asked for.
 #[derive(Debug, thiserror::Error)]
 pub enum LoraError {
+    /// An MLP target on a mixture-of-experts model (not supported).
     #[error(
         "LoRA on the MLP of a mixture-of-experts model is not supported: target the attention (q,k,v,o)"
     )]
     Moe,
+    /// The spec's rank is 0.
     #[error("LoRA rank must be positive")]
     ZeroRank,
+    /// The adapters' block count differs from the model's.
     #[error("the adapters have {found} blocks, the model {expected}")]
-    Blocks { expected: usize, found: usize },
+    Blocks {
+        /// The model's block count.
+        expected: usize,
+        /// The adapters' block count.
+        found: usize,
+    },
+    /// The model family has no matrix for the target.
     #[error("{family} has no {target} matrix to adapt: its LoRA targets are {targets}")]
     NoMatrix {
+        /// The model family (`gpt2`).
         family: &'static str,
+        /// The target's short name.
         target: &'static str,
+        /// The targets the family does have, comma-separated.
         targets: &'static str,
     },
 }
@@ -292,14 +329,19 @@ pub trait LoraBlock<B: Backend> {
     fn adapted(&self, t: Target) -> Result<Vec<&QLinear<B>>, LoraError>;
     /// The same, to replace them (merging).
     fn adapted_mut(&mut self, t: Target) -> Result<Vec<&mut QLinear<B>>, LoraError>;
+    /// The block's adapters, if it has any.
     fn lora(&self) -> Option<&BlockLora<B>>;
+    /// The block's adapter slot, to install or take them.
     fn lora_mut(&mut self) -> &mut Option<BlockLora<B>>;
 }
 
 /// A model made of [`LoraBlock`]s.
 pub trait Adaptable<B: Backend> {
+    /// The model's blocks, first to last.
     fn lora_blocks(&self) -> Vec<&dyn LoraBlock<B>>;
+    /// The model's blocks, first to last, to change their adapters.
     fn lora_blocks_mut(&mut self) -> Vec<&mut dyn LoraBlock<B>>;
+    /// The device new adapters are created on (the model's).
     fn lora_device(&self) -> B::Device;
 }
 

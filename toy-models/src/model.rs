@@ -30,6 +30,7 @@ pub trait CausalLm<B: ToyBackend> {
     /// wherever the backend computes a matmul's rows independently of their number (the CPU
     /// kernels for quantized weights do).
     fn forward_batch_last(&self, tokens: &[&[u32]], caches: Vec<&mut KvCache<B>>) -> Tensor<B, 2>;
+    /// An empty KV cache for one sequence of this model.
     fn new_cache(&self) -> KvCache<B>;
     /// Mean next-token cross-entropy of `tokens[b, t]` (from an empty cache) against
     /// `targets[b, t]`: what training minimizes, without the `[b·t, vocab]` logits where the
@@ -37,6 +38,7 @@ pub trait CausalLm<B: ToyBackend> {
     fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
     /// Longest context (prompt + generated tokens) the model supports.
     fn context_length(&self) -> usize;
+    /// The device the model's weights are on.
     fn device(&self) -> B::Device;
 
     /// A sentence embedding of `ids`: the final hidden states (from an empty cache) averaged
@@ -66,8 +68,10 @@ pub trait CausalLm<B: ToyBackend> {
 /// Why [`CausalLm::embed`] gave no vector.
 #[derive(Debug, thiserror::Error)]
 pub enum EmbedError {
+    /// No tokens were given.
     #[error("nothing to embed: give at least one token")]
     Empty,
+    /// Reading the hidden states back from the backend failed; its message.
     #[error("backend error: {0}")]
     Backend(String),
 }
@@ -140,7 +144,9 @@ impl<B: ToyBackend> CausalLm<B> for Gpt2<B> {
 /// A loaded model of any supported architecture.
 #[derive(Module, Debug)]
 pub enum Model<B: Backend> {
+    /// A llama-family model.
     Llama(Transformer<B>),
+    /// A GPT-2 model.
     Gpt2(Gpt2<B>),
 }
 

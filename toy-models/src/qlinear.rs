@@ -130,6 +130,8 @@ impl<B: ToyBackend> PackedMatrix<B> {
     }
 }
 
+/// A bias-free linear layer `x · Wᵀ` whose weight is dense (trainable) or packed in its GGUF
+/// block format.
 #[derive(Module, Debug)]
 pub enum QLinear<B: Backend> {
     /// A float weight `[out, in]` (PyTorch layout).

@@ -26,32 +26,49 @@ use crate::qlinear::{PackedMatrix, QLinear};
 use toy_kernels::packed::{HostPackedView, gguf_row};
 use toy_kernels::reference::host_words;
 
+/// Why a model could not be written as a GGUF file.
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
+    /// Reading the base file or writing the GGUF failed.
     #[error(transparent)]
     Gguf(#[from] GgufError),
+    /// A tensor's shape is not the one the config says.
     #[error("tensor {name} has shape {found:?}, but the config says {expected:?}")]
     Shape {
+        /// The tensor's GGUF name (`blk`: the number of blocks).
         name: String,
+        /// The shape the config implies.
         expected: Vec<usize>,
+        /// The shape the model holds.
         found: Vec<usize>,
     },
+    /// Extra metadata set a key the saver writes itself; the key.
     #[error("metadata key {0:?} is written by the model saver; do not pass it as extra metadata")]
     ReservedKey(String),
+    /// The model has a feature a GGUF `llama` file cannot express; the feature.
     #[error(
         "this model has {0}, which a GGUF `llama` file cannot express (a model fine-tuned from a base is saved in the base's architecture)"
     )]
     Architecture(&'static str),
+    /// The model holds something the saver does not support; what.
     #[error("cannot save {0}")]
     Unsupported(&'static str),
+    /// The base file's metadata does not describe a supported model.
     #[error(transparent)]
     Config(#[from] toy_core::config::ConfigError),
+    /// The base has a tensor the fine-tuned model does not hold; its name.
     #[error(
         "the base model has tensor {0}, which the fine-tuned model does not hold: saving would keep a stale copy"
     )]
     Missing(String),
+    /// A tensor could not be read back from the device.
     #[error("cannot read tensor {name} back from the device: {reason}")]
-    Readback { name: String, reason: String },
+    Readback {
+        /// The tensor.
+        name: String,
+        /// Why it could not be read back.
+        reason: String,
+    },
 }
 
 /// The GGUF writer holding `model`: `llama.*` metadata from `config`, then `extra` metadata in

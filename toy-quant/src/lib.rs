@@ -9,6 +9,8 @@
 //! (`toy-kernels`, whose reference bodies dequantize packed weights) can share one definition
 //! of each format.
 
+#![warn(missing_docs)]
+
 mod dequant;
 mod quantize;
 mod types;
@@ -28,4 +30,5 @@ pub enum QuantError {
     InvalidArgument(String),
 }
 
+/// This crate's result type, failing with `QuantError` by default.
 pub type Result<T, E = QuantError> = std::result::Result<T, E>;

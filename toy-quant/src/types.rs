@@ -5,31 +5,53 @@ use std::fmt;
 /// A ggml tensor type: how the elements of a tensor are stored.
 ///
 /// Quantized types store elements in blocks of `block_size()` values that take `type_size()` bytes.
-/// The ids are ggml's (`enum ggml_type`); ids of types we do not know are kept in `Unknown` so that
-/// `describe` can still name them, but such tensors cannot be read.
+/// The ids are ggml's (`enum ggml_type`); `GgmlType::from_id` gives `None` for an id toy does not
+/// know, and the GGUF reader refuses such a tensor with an error that names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
+    /// 32-bit IEEE float.
     F32,
+    /// 16-bit IEEE half float.
     F16,
+    /// Blocks of 32 4-bit values with one f16 scale.
     Q4_0,
+    /// Blocks of 32 4-bit values with an f16 scale and an f16 minimum.
     Q4_1,
+    /// Blocks of 32 5-bit values with one f16 scale.
     Q5_0,
+    /// Blocks of 32 5-bit values with an f16 scale and an f16 minimum.
     Q5_1,
+    /// Blocks of 32 i8 values with one f16 scale.
     Q8_0,
+    /// Blocks of 32 i8 values with an f16 scale and an f16 sum; not dequantized here.
     Q8_1,
+    /// Q2_K: super-blocks of 256 2-bit values with 4-bit sub-block scales and minimums.
     Q2K,
+    /// Q3_K: super-blocks of 256 3-bit values with 6-bit sub-block scales.
     Q3K,
+    /// Q4_K: super-blocks of 256 4-bit values with 6-bit sub-block scales and minimums.
     Q4K,
+    /// Q5_K: super-blocks of 256 5-bit values with 6-bit sub-block scales and minimums.
     Q5K,
+    /// Q6_K: super-blocks of 256 6-bit values with i8 sub-block scales.
     Q6K,
+    /// Q8_K: super-blocks of 256 i8 values with an f32 scale and i16 block sums.
     Q8K,
+    /// IQ4_NL: blocks of 32 4-bit indices into the non-linear grid `IQ4_GRID`, with an f16 scale.
     IQ4NL,
+    /// IQ4_XS: super-blocks of 256 `IQ4_GRID` indices with 6-bit sub-block scales.
     IQ4XS,
+    /// 8-bit signed integer.
     I8,
+    /// 16-bit signed integer.
     I16,
+    /// 32-bit signed integer.
     I32,
+    /// 64-bit signed integer.
     I64,
+    /// 64-bit IEEE float.
     F64,
+    /// bfloat16: the top 16 bits of an f32.
     BF16,
 }
 
@@ -60,10 +82,12 @@ impl GgmlType {
         GgmlType::BF16,
     ];
 
+    /// The type with ggml id `id`, or `None` for an id we do not know.
     pub fn from_id(id: u32) -> Option<Self> {
         Self::ALL.into_iter().find(|t| t.id() == id)
     }
 
+    /// ggml's numeric id for the type (`enum ggml_type`), as stored in GGUF tensor infos.
     pub fn id(self) -> u32 {
         match self {
             GgmlType::F32 => 0,

@@ -35,22 +35,32 @@ use crate::checkpoint::write_atomic;
 /// orientation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterTensor {
+    /// Index of the block.
     pub layer: usize,
+    /// The adapted projection.
     pub target: Target,
+    /// Rank `r` of this pair.
     pub rank: usize,
+    /// Input width of the projection.
     pub inp: usize,
+    /// Output width of the projection.
     pub out: usize,
+    /// `A`, `r × inp` row-major.
     pub a: Vec<f32>,
+    /// `B`, `out × r` row-major.
     pub b: Vec<f32>,
 }
 
 /// A whole adapter on the host.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Adapter {
+    /// Scale numerator: each pair adds `(alpha / r)·B·A` to its projection.
     pub alpha: f32,
     /// The rank (the largest, where modules differ: each tensor holds its own).
     pub rank: usize,
+    /// Dropout probability on the adapters' input in training (0 when read from a file).
     pub dropout: f32,
+    /// Every adapted projection.
     pub tensors: Vec<AdapterTensor>,
 }
 
@@ -62,12 +72,16 @@ type HalfRead = (Option<Vec<f32>>, Option<Vec<f32>>, [usize; 3]);
 /// llama, granite, smollm3; half-split "neox" ones — qwen2/3, gemma2/3, phi3 — keep HF's rows).
 #[derive(Debug, Clone, Copy)]
 pub struct QkLayout {
+    /// Query heads of the base.
     pub n_head: usize,
+    /// Key/value heads of the base.
     pub n_head_kv: usize,
+    /// Whether the converter permuted the Q/K rows (interleaved RoPE).
     pub permuted: bool,
 }
 
 impl QkLayout {
+    /// The layout of a base of config `config`.
     pub fn of(config: &toy_core::config::ModelConfig) -> Self {
         QkLayout {
             n_head: config.n_head,

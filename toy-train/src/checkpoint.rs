@@ -38,7 +38,9 @@ pub struct TrainState {
     pub elapsed_s: f64,
     /// Length of `events.jsonl` when the checkpoint was taken.
     pub events_len: u64,
+    /// Training loss of the last step done.
     pub last_loss: Option<f64>,
+    /// Held-out loss of the last evaluation.
     pub last_eval_loss: Option<f64>,
 }
 
@@ -58,7 +60,9 @@ impl TrainState {
 /// A run directory.
 #[derive(Debug, Clone)]
 pub struct RunDir {
+    /// The directory (`runs/<id>`).
     pub path: PathBuf,
+    /// The run's id: the directory's name.
     pub id: String,
 }
 
@@ -105,14 +109,17 @@ impl RunDir {
         })
     }
 
+    /// `config.json`: the run's configuration.
     pub fn config_path(&self) -> PathBuf {
         self.path.join("config.json")
     }
 
+    /// `events.jsonl`: the run's event log.
     pub fn events_path(&self) -> PathBuf {
         self.path.join("events.jsonl")
     }
 
+    /// `model.gguf`: the latest model of the run.
     pub fn model_path(&self) -> PathBuf {
         self.path.join("model.gguf")
     }

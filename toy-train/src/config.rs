@@ -23,8 +23,10 @@ pub enum Preset {
 }
 
 impl Preset {
+    /// Every preset, smallest first.
     pub const ALL: [Preset; 2] = [Preset::Tiny, Preset::Small];
 
+    /// The preset's name, as `--preset` takes it and config.json spells it.
     pub fn name(self) -> &'static str {
         match self {
             Preset::Tiny => "tiny",
@@ -32,6 +34,7 @@ impl Preset {
         }
     }
 
+    /// The preset called `name`, if there is one.
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|p| p.name() == name)
     }
@@ -103,8 +106,10 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Every architecture toy trains from scratch.
     pub const ALL: [Arch; 2] = [Arch::Llama, Arch::Gpt2];
 
+    /// The architecture's name, as `--arch` takes it and config.json spells it.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
@@ -112,6 +117,7 @@ impl Arch {
         }
     }
 
+    /// The architecture called `name`, if there is one.
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|a| a.name() == name)
     }
@@ -123,10 +129,15 @@ pub struct ModelShape {
     /// `llama` when absent (config.json of runs made before GPT-2 could be trained).
     #[serde(default)]
     pub arch: Arch,
+    /// Transformer blocks.
     pub n_layer: usize,
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Attention (query) heads.
     pub n_head: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_head`; gpt2 has as many).
     pub n_head_kv: usize,
+    /// Hidden width of the MLP.
     pub d_ff: usize,
     /// Longest context the model supports (written to the GGUF; generation is limited by it).
     pub context_length: usize,
@@ -151,6 +162,8 @@ impl ModelShape {
         }
     }
 
+    /// Check that the shape can be built: positive sizes, heads that divide `d_model` (llama: an
+    /// even head width, a multiple of the kv heads), positive RoPE theta and norm epsilon.
     pub fn check(&self) -> Result<(), TrainError> {
         let bad = |what: String| Err(TrainError::Config(what));
         if self.n_layer == 0 || self.d_model == 0 || self.d_ff == 0 || self.context_length == 0 {
@@ -247,8 +260,11 @@ pub struct OptimConfig {
     pub warmup_steps: usize,
     /// AdamW decoupled weight decay, applied to matrices only (not to norms).
     pub weight_decay: f32,
+    /// AdamW's decay rate of the first moment (the gradient's running mean).
     pub beta1: f32,
+    /// AdamW's decay rate of the second moment (the squared gradient's running mean).
     pub beta2: f32,
+    /// AdamW's epsilon, added to the second moment's square root in the denominator.
     pub epsilon: f32,
     /// Clip the global gradient norm to this value (0 = off).
     pub grad_clip: f32,
@@ -283,6 +299,8 @@ impl Default for OptimConfig {
 }
 
 impl OptimConfig {
+    /// Check the settings: positive counts, `0 <= min_lr <= lr` with `lr > 0`, betas from 0 up to
+    /// (not including) 1, non-negative decay and clipping, a positive epsilon.
     pub fn check(&self) -> Result<(), TrainError> {
         let bad = |what: &str| Err(TrainError::Config(what.to_string()));
         if self.steps == 0
@@ -339,14 +357,20 @@ pub struct DataConfig {
 /// The cadence of evaluation, samples and checkpoints (in optimizer steps; 0 = only at the end).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CadenceConfig {
+    /// Steps between held-out evaluations (one also follows the last step).
     pub eval_every: usize,
     /// Held-out micro-batches per evaluation (0 = all).
     pub eval_batches: usize,
+    /// Steps between generated samples (one is also made before the first step and after the
+    /// last).
     pub sample_every: usize,
+    /// Steps between checkpoints (one is also written after the last step).
     pub checkpoint_every: usize,
     /// Prompt of the generated samples (the tokenizer's BOS is added when it asks for one).
     pub sample_prompt: String,
+    /// Most tokens generated per sample (fewer when the context runs out or an end token comes).
     pub sample_tokens: usize,
+    /// Sampling temperature of the samples.
     pub sample_temperature: f32,
 }
 
@@ -373,26 +397,37 @@ pub enum Recipe {
     FromScratch,
     /// A from-scratch model whose token embeddings start from the donor GGUF's `token_embd`
     /// (through a trainable projection when the widths differ); the tokenizer is the donor's.
-    WarmStart { donor: PathBuf },
+    WarmStart {
+        /// The GGUF whose token embeddings and tokenizer the model starts from.
+        donor: PathBuf,
+    },
     /// LoRA adapters over a frozen base GGUF loaded as f32 (dequantized); only the adapters
     /// train. The tokenizer is the base's.
     Lora {
+        /// The frozen base GGUF.
         base: PathBuf,
+        /// The adapters trained over it.
         adapter: LoraSettings,
     },
     /// LoRA adapters over a frozen base kept quantized (Q8_0/Q4_0/Q4_1 packed; other types are
     /// f32).
     Qlora {
+        /// The frozen base GGUF, kept quantized.
         base: PathBuf,
+        /// The adapters trained over it.
         adapter: LoraSettings,
     },
     /// Every weight of the base GGUF trainable (loaded as f32; a quantized base is dequantized).
-    Full { base: PathBuf },
+    Full {
+        /// The base GGUF, every weight of it trained.
+        base: PathBuf,
+    },
 }
 
 /// The adapters of the `lora` and `qlora` recipes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoraSettings {
+    /// Rank `r` of each adapter: the inner width of its `B·A`.
     pub rank: usize,
     /// The adapter output is scaled by `alpha / rank`.
     pub alpha: f32,
@@ -452,6 +487,7 @@ impl Recipe {
     /// The names `--recipe` takes.
     pub const NAMES: [&str; 5] = ["from-scratch", "warm-start", "lora", "qlora", "full"];
 
+    /// The recipe's name, as `--recipe` takes it (`Display` writes it too).
     pub fn name(&self) -> &'static str {
         match self {
             Recipe::FromScratch => "from-scratch",
@@ -490,12 +526,18 @@ impl std::fmt::Display for Recipe {
 /// A whole training run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
+    /// How the starting weights are made.
     pub recipe: Recipe,
     /// The preset the shape and optimizer settings started from, if any (informational).
     pub preset: Option<Preset>,
+    /// The model shape of a from-scratch or warm-start model (a fine-tuning recipe takes its
+    /// base's).
     pub model: ModelShape,
+    /// Optimizer, schedule and batch settings.
     pub optim: OptimConfig,
+    /// The training data and its tokenizer.
     pub data: DataConfig,
+    /// When to evaluate, sample and checkpoint.
     pub cadence: CadenceConfig,
     /// Seeds the weights, the data order and the samples.
     pub seed: u64,
@@ -515,6 +557,9 @@ impl TrainConfig {
         }
     }
 
+    /// Check the whole run before it starts: the adapters, the shape (unless a base decides it),
+    /// the optimizer, that there is data, the held-out fraction, and that sequences fit the
+    /// context.
     pub fn check(&self) -> Result<(), TrainError> {
         if let Some(adapter) = self.recipe.adapter() {
             adapter.spec()?;

@@ -128,6 +128,7 @@ impl TokenData {
         })
     }
 
+    /// Tokens of the corpus (training and held-out).
     pub fn n_tokens(&self) -> usize {
         self.tokens.len()
     }
@@ -137,6 +138,7 @@ impl TokenData {
         &self.tokens
     }
 
+    /// Predicted tokens per window (a window holds one more).
     pub fn seq_len(&self) -> usize {
         self.seq_len
     }
@@ -203,8 +205,11 @@ impl TokenData {
 /// `batch` windows of `seq_len + 1` tokens, row-major.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
+    /// The windows' token ids, `batch × (seq_len + 1)`.
     pub tokens: Vec<u32>,
+    /// Windows (rows) in the batch.
     pub batch: usize,
+    /// Predicted tokens per row (a row holds one more).
     pub seq_len: usize,
     /// The epoch this batch belongs to (0 for held-out batches).
     pub epoch: u64,

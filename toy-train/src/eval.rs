@@ -25,7 +25,9 @@ use crate::data::Batch;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Scoring {
+    /// Every position of a window after its first; a shorter last window is kept.
     All,
+    /// The second half of every full window only (llama.cpp's `llama-perplexity`).
     SecondHalf,
 }
 
@@ -34,6 +36,7 @@ pub enum Scoring {
 pub struct EvalOptions {
     /// Window length in tokens.
     pub context: usize,
+    /// Which positions of each window are scored.
     pub scoring: Scoring,
     /// Put this token first in every window ([`Scoring::SecondHalf`] only; llama.cpp's BOS).
     pub bos: Option<u32>,
@@ -48,6 +51,7 @@ pub struct EvalOptions {
 pub struct TokenLogprob {
     /// Index of the token in the evaluated sequence.
     pub pos: usize,
+    /// The token's id.
     pub id: u32,
     /// `ln p(token | everything before it in its window)`.
     pub logprob: f64,
@@ -60,9 +64,11 @@ pub struct TokenLogprob {
 pub struct EvalResult {
     /// Mean negative log-likelihood per scored token, in nats.
     pub mean_nll: f64,
+    /// `exp(mean_nll)`.
     pub perplexity: f64,
     /// Tokens scored.
     pub scored: usize,
+    /// Windows (or held-out batches) evaluated.
     pub windows: usize,
     /// Fraction of scored tokens that were the model's top-1 prediction.
     pub top1_accuracy: f64,

@@ -21,9 +21,11 @@ pub const SCHEMA: &str = "toy/v1";
 /// One line of `events.jsonl`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Record {
+    /// The schema name (`SCHEMA`).
     pub schema: String,
     /// Unix time in seconds when the event was written.
     pub time: f64,
+    /// The event's kind (`event`) and fields, flattened into the line.
     #[serde(flatten)]
     pub event: Event,
 }
@@ -34,6 +36,7 @@ pub struct Record {
 pub enum Event {
     /// A run started, or resumed (`resumed_from_step` is set).
     RunStart {
+        /// The run directory's name.
         run_id: String,
         /// The whole configuration, as in `config.json`.
         config: Box<TrainConfig>,
@@ -41,17 +44,22 @@ pub enum Event {
         backend: String,
         /// The device, in burn's words.
         device: String,
+        /// The run's seed (also in `config`).
         seed: u64,
         /// `git rev-parse HEAD` of the toy source the binary was built from (with `-dirty` when
         /// it had uncommitted changes), when known.
         git_revision: Option<String>,
+        /// Version of the toy crate the binary was built from.
         toy_version: String,
         /// Trainable parameters.
         n_params: usize,
+        /// Tokens in the model's vocabulary.
         vocab_size: usize,
         /// Tokens of the training data, and how many sequences they made.
         data_tokens: usize,
+        /// Packed sequences of the training split.
         train_sequences: usize,
+        /// Packed sequences held out.
         val_sequences: usize,
         /// Tokens predicted per optimizer step.
         tokens_per_step: usize,
@@ -62,31 +70,43 @@ pub enum Event {
         /// 0 in logs written before data-parallel training existed.
         #[serde(default)]
         global_batch: usize,
+        /// The checkpoint's step when resuming; `None` for a new run.
         resumed_from_step: Option<usize>,
     },
     /// An image-classification run started, or resumed (`resumed_from_step` is set). Its
     /// `step`, `eval`, `checkpoint` and `run_end` events are those of a language-model run,
     /// with images where those count tokens.
     VisionRunStart {
+        /// The run directory's name.
         run_id: String,
         /// The whole configuration, as in `config.json`.
         config: Box<VisionConfig>,
+        /// As in `RunStart`: `cpu`, `ndarray`, …
         backend: String,
+        /// The device, in burn's words.
         device: String,
+        /// The run's seed (also in `config`).
         seed: u64,
+        /// As in `RunStart`: the commit of the toy source, when known.
         git_revision: Option<String>,
+        /// Version of the toy crate the binary was built from.
         toy_version: String,
+        /// Trainable parameters.
         n_params: usize,
         /// Class folders of the data.
         n_classes: usize,
+        /// Images of the training split.
         train_images: usize,
+        /// Images held out.
         val_images: usize,
         /// Images per optimizer step.
         images_per_step: usize,
+        /// The checkpoint's step when resuming; `None` for a new run.
         resumed_from_step: Option<usize>,
     },
     /// One optimizer step finished. `step` counts from 1.
     Step {
+        /// The step's number, from 1.
         step: usize,
         /// Mean cross-entropy (nats per token) of the step's micro-batches, before the update.
         loss: f64,
@@ -98,17 +118,22 @@ pub enum Event {
         clipped: bool,
         /// Tokens predicted in this step, and since the run began.
         tokens: usize,
+        /// Tokens predicted since the run began, resumed runs included.
         total_tokens: usize,
         /// Throughput of this step (forward, backward and update).
         tokens_per_s: f64,
         /// Seconds since the run (first) began, not counting time while it was stopped.
         elapsed_s: f64,
+        /// Epoch of the step's data, from 0.
         epoch: u64,
     },
     /// Held-out evaluation after `step`.
     Eval {
+        /// The step it followed.
         step: usize,
+        /// Mean cross-entropy on the held-out data (nats per token, or per image).
         loss: f64,
+        /// `exp(loss)`.
         perplexity: f64,
         /// Tokens scored (images, for an image classifier).
         tokens: usize,
@@ -116,37 +141,51 @@ pub enum Event {
         /// whose true class is among the top five.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         top1: Option<f64>,
+        /// Image classifiers: the top-5 accuracy (see `top1`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         top5: Option<f64>,
     },
     /// Text generated from `prompt` after `step` (step 0: before training).
     Sample {
+        /// The step it followed (0: before training).
         step: usize,
+        /// The sample prompt.
         prompt: String,
+        /// The prompt followed by the generated text.
         text: String,
+        /// Sampling temperature.
         temperature: f32,
+        /// The sampler's seed: the run's seed plus `step`.
         seed: u64,
     },
     /// A checkpoint was written (every file complete and renamed into place).
     Checkpoint {
+        /// The step checkpointed.
         step: usize,
-        /// The GGUF model (`runs/<id>/model.gguf`).
+        /// The GGUF written: `runs/<id>/model.gguf`, or `adapter.gguf` for a LoRA run.
         model: PathBuf,
         /// The directory with the optimizer state for `--resume`.
         state: PathBuf,
+        /// Bytes written: the resume state and the GGUF.
         bytes: u64,
     },
     /// The run finished all its steps.
     RunEnd {
+        /// Steps done.
         step: usize,
+        /// The last step's training loss.
         final_loss: Option<f64>,
+        /// The last held-out loss, if an evaluation ran.
         final_eval_loss: Option<f64>,
+        /// Tokens predicted over the whole run (images, for an image classifier).
         total_tokens: usize,
+        /// Training seconds, not counting time while the run was stopped.
         elapsed_s: f64,
     },
 }
 
 impl Event {
+    /// This event as a line of the log, stamped with the current time.
     pub fn record(self) -> Record {
         Record {
             schema: SCHEMA.to_string(),

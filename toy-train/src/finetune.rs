@@ -32,12 +32,16 @@ use toy_core::rng::SplitMix64;
 
 /// The base of a fine-tuning run: its path, file and config.
 pub struct Base {
+    /// Where the GGUF is.
     pub path: PathBuf,
+    /// The opened GGUF.
     pub file: GgufFile,
+    /// The model config its metadata describes.
     pub config: ModelConfig,
 }
 
 impl Base {
+    /// Open the GGUF at `path` and read its model config.
     pub fn open(path: &Path) -> Result<Self, TrainError> {
         let file = GgufFile::open(path).map_err(|e| {
             TrainError::Config(format!(
@@ -68,6 +72,7 @@ impl Base {
         })
     }
 
+    /// How its Q/K rows relate to Hugging Face's (for PEFT adapter files).
     pub fn qk_layout(&self) -> QkLayout {
         QkLayout::of(&self.config)
     }

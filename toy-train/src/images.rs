@@ -26,6 +26,7 @@ pub const EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];
 
 /// ImageNet's channel means and standard deviations (timm's and torchvision's defaults).
 pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+/// ImageNet's per-channel standard deviations (see `IMAGENET_MEAN`).
 pub const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
 
 /// The images of a class-folder tree.
@@ -94,7 +95,9 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), TrainError> {
 pub struct Transform {
     /// Side of the square the model sees (pixels).
     pub size: usize,
+    /// Per-channel (RGB) mean subtracted from the pixels scaled to 0..1.
     pub mean: [f32; 3],
+    /// Per-channel (RGB) standard deviation the centred values are divided by.
     pub std: [f32; 3],
     /// Training augmentation. `None`: evaluation (centre crop, no flip).
     pub augment: Option<Augment>,

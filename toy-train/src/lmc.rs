@@ -15,6 +15,7 @@ pub struct Interpolation<'a> {
 }
 
 impl<'a> Interpolation<'a> {
+    /// Dequantize `a` and `b`, which must hold the same tensors with the same shapes.
     pub fn new(a: &'a GgufFile, b: &GgufFile) -> Result<Self, TrainError> {
         if a.tensors.len() != b.tensors.len() {
             return Err(TrainError::Data(format!(

@@ -19,7 +19,9 @@ use toy_core::rng::SplitMix64;
 /// The architecture and shape of the model being trained.
 #[derive(Debug, Clone)]
 pub enum ModelSpec {
+    /// A llama-family model.
     Llama(LlamaConfig),
+    /// A GPT-2.
     Gpt2(Gpt2Config),
 }
 
@@ -32,6 +34,7 @@ impl ModelSpec {
         }
     }
 
+    /// Tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelSpec::Llama(c) => c.vocab_size,
@@ -39,6 +42,7 @@ impl ModelSpec {
         }
     }
 
+    /// Width of the residual stream.
     pub fn d_model(&self) -> usize {
         match self {
             ModelSpec::Llama(c) => c.d_model,
@@ -94,7 +98,9 @@ fn token_embd_mut<B: ToyBackend>(model: &mut Model<B>) -> &mut Embedding<B> {
 /// records: it is read from the donor GGUF ([`DonorEmbedding`]).
 #[derive(Module, Debug)]
 pub struct Trainee<B: Backend> {
+    /// The model (with a projection, its token embedding table is recomputed as `donor · P`).
     pub model: Model<B>,
+    /// The projection `P` of a warm start across widths; `None` otherwise.
     pub embd_proj: Option<Param<Tensor<B, 2>>>,
 }
 
@@ -135,16 +141,18 @@ impl<B: ToyBackend> Trainee<B> {
     }
 }
 
-/// The donor of a warm start: its token embedding table `[vocab, d_donor]` (dequantized to
-/// f32) and the `tokenizer.*` metadata that identifies its vocabulary.
+/// The donor of a warm start: its token embedding table `[vocab, d_donor]`, dequantized to f32.
 pub struct DonorEmbedding {
+    /// Rows of the table: the donor's vocabulary.
     pub vocab_size: usize,
+    /// The donor's embedding width.
     pub width: usize,
     /// Row-major `[vocab_size, width]`.
     pub values: Vec<f32>,
 }
 
 impl DonorEmbedding {
+    /// Read the `token_embd.weight` table of the donor GGUF at `path`, as f32.
     pub fn read(path: &Path) -> Result<Self, TrainError> {
         let file = GgufFile::open(path).map_err(|e| {
             TrainError::Config(format!("cannot open the donor {}: {e}", path.display()))
@@ -171,6 +179,7 @@ impl DonorEmbedding {
         })
     }
 
+    /// The table as a `vocab_size × width` tensor on `device`.
     pub fn tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
         Tensor::from_data(
             TensorData::new(self.values.clone(), [self.vocab_size, self.width]),

@@ -219,6 +219,8 @@ impl<B: AutodiffBackend + ToyBackend, M: AutodiffModule<B>> TrainOptimizer<B, M>
 where
     B::InnerBackend: ToyBackend,
 {
+    /// The two groups' AdamW with `config`'s betas and epsilon: one with its weight decay, one
+    /// without.
     pub fn new(config: &OptimConfig) -> Self {
         let adamw = |weight_decay: f32| {
             OptimizerAdaptor::from(FusedAdamW {
@@ -248,10 +250,12 @@ where
         self.no_decay.step(lr, model, no_decay)
     }
 
+    /// The moments of both groups, for a checkpoint.
     pub fn to_record(&self) -> OptimRecord<B> {
         (self.decay.to_record(), self.no_decay.to_record())
     }
 
+    /// This optimizer with a checkpoint's moments restored.
     pub fn load_record(self, record: OptimRecord<B>) -> Self {
         TrainOptimizer {
             decay: self.decay.load_record(record.0),

@@ -110,6 +110,7 @@ pub struct Group<B: Backend> {
 static RUN_LOCK: Mutex<()> = Mutex::new(());
 
 impl<B: Backend> Group<B> {
+    /// Take the process-wide lock of multi-device runs, waiting while another run holds it.
     pub fn open() -> Self {
         // A run that panicked released the lock poisoned; its collective was reset (below).
         let lock = RUN_LOCK.lock().unwrap_or_else(|p| p.into_inner());

@@ -12,13 +12,19 @@ use crate::events::{Event, read_events};
 /// A run at a glance.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunSummary {
+    /// The run's id (its directory's name).
     pub id: String,
+    /// The recipe's name; `vit` or `vit-fine-tune` for an image classifier.
     pub recipe: String,
+    /// The preset the run started from, if any.
     pub preset: Option<String>,
+    /// Trainable parameters.
     pub n_params: usize,
     /// Unix time the run (first) started.
     pub started: f64,
+    /// Steps done: the last `step` event's.
     pub steps_done: usize,
+    /// Steps the run is configured for.
     pub steps_total: usize,
     /// Training loss of the last step.
     pub loss: Option<f64>,
@@ -26,6 +32,7 @@ pub struct RunSummary {
     pub eval_loss: Option<f64>,
     /// `run_end` was written: all steps ran.
     pub finished: bool,
+    /// Training seconds at the last step.
     pub elapsed_s: f64,
 }
 
@@ -52,8 +59,11 @@ impl RunSummary {
 /// Loss over steps of one run.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Curve {
+    /// The run's name in the legend.
     pub label: String,
+    /// `(step, loss)` of every training step.
     pub train: Vec<(usize, f64)>,
+    /// `(step, loss)` of every held-out evaluation.
     pub eval: Vec<(usize, f64)>,
 }
 

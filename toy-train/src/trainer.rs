@@ -45,10 +45,13 @@ use crate::schedule::learning_rate;
 /// Everything a run needs besides the backend: the config, the tokenizer and its metadata, the
 /// tokenized data.
 pub struct TrainSetup {
+    /// The run's configuration.
     pub config: TrainConfig,
+    /// The tokenizer of `config.data.tokenizer`.
     pub tokenizer: Tokenizer,
     /// `tokenizer.*` metadata of the tokenizer GGUF, copied into every checkpoint.
     pub tokenizer_metadata: Vec<(String, Value)>,
+    /// The tokenized training and held-out data.
     pub data: TokenData,
     /// The base model of a fine-tuning recipe (`lora`, `qlora`, `full`).
     pub base: Option<Base>,
@@ -201,18 +204,27 @@ impl TrainSetup {
 /// Facts about the environment recorded in `run_start`.
 #[derive(Debug, Clone)]
 pub struct RunInfo {
+    /// The backend's name (`cpu`, `ndarray`, …).
     pub backend: String,
+    /// The commit of the toy source the binary was built from (`-dirty` with uncommitted
+    /// changes), when known.
     pub git_revision: Option<String>,
 }
 
 /// How a run ended.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
+    /// Optimizer steps done.
     pub steps: usize,
+    /// The last step's training loss.
     pub final_loss: Option<f64>,
+    /// The last held-out evaluation since the run (re)started, if any.
     pub final_eval: Option<EvalResult>,
+    /// Tokens predicted over the whole run.
     pub total_tokens: usize,
+    /// Training seconds, not counting time while the run was stopped.
     pub elapsed_s: f64,
+    /// What the run leaves for users: `model.gguf`, or `adapter.gguf` for a LoRA run.
     pub model_path: PathBuf,
 }
 

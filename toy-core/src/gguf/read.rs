@@ -26,16 +26,19 @@ pub(super) const MAX_ARRAY_DEPTH: u32 = 4;
 /// One tensor's header entry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorInfo {
+    /// Tensor name, at most `MAX_NAME_LEN` bytes.
     pub name: String,
     /// ggml `ne`: `dims[0]` is the fastest-varying (row length). A GGUF matrix `[in, out]` is a
     /// row-major `[out, in]` PyTorch weight.
     pub dims: Vec<u64>,
+    /// How the elements are stored.
     pub ggml_type: GgmlType,
     /// Offset of the data from the start of the data section.
     pub offset: u64,
 }
 
 impl TensorInfo {
+    /// Number of elements, the product of the dims.
     pub fn n_elements(&self) -> u64 {
         self.dims.iter().product()
     }
@@ -70,10 +73,12 @@ impl Storage {
 pub struct GgufFile {
     storage: Storage,
     path: Option<PathBuf>,
+    /// GGUF format version, 2 or 3.
     pub version: u32,
     /// Metadata key/value pairs in the order of the file.
     pub metadata: Vec<(String, Value)>,
     key_index: HashMap<String, usize>,
+    /// Tensor infos in the order of the file.
     pub tensors: Vec<TensorInfo>,
     tensor_index: HashMap<String, usize>,
     /// Alignment of the data section and of each tensor's offset.
@@ -121,6 +126,7 @@ impl GgufFile {
         Self::parse(Storage::Owned(bytes))
     }
 
+    /// The path the file was opened from, or `None` for one parsed from memory.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
     }
@@ -164,6 +170,7 @@ impl GgufFile {
         self.storage.bytes()
     }
 
+    /// The metadata value under `key`, if present.
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.key_index.get(key).map(|&i| &self.metadata[i].1)
     }
@@ -174,12 +181,15 @@ impl GgufFile {
             .ok_or_else(|| GgufError::MissingKey(key.to_string()))
     }
 
+    /// A string metadata value: `None` if absent, an error if of another type.
     pub fn get_str(&self, key: &str) -> Result<Option<&str>> {
         self.get(key)
             .map(|v| v.as_str().ok_or_else(|| wrong_type(key, "a string", v)))
             .transpose()
     }
 
+    /// An integer metadata value of any width as u64: `None` if absent, an error if not a
+    /// non-negative integer.
     pub fn get_u64(&self, key: &str) -> Result<Option<u64>> {
         self.get(key)
             .map(|v| {
@@ -189,18 +199,21 @@ impl GgufFile {
             .transpose()
     }
 
+    /// A float or integer metadata value as f64: `None` if absent, an error if not a number.
     pub fn get_f64(&self, key: &str) -> Result<Option<f64>> {
         self.get(key)
             .map(|v| v.as_f64().ok_or_else(|| wrong_type(key, "a number", v)))
             .transpose()
     }
 
+    /// A bool metadata value: `None` if absent, an error if of another type.
     pub fn get_bool(&self, key: &str) -> Result<Option<bool>> {
         self.get(key)
             .map(|v| v.as_bool().ok_or_else(|| wrong_type(key, "a bool", v)))
             .transpose()
     }
 
+    /// An array metadata value's elements: `None` if absent, an error if of another type.
     pub fn get_array(&self, key: &str) -> Result<Option<&[Value]>> {
         self.get(key)
             .map(|v| v.as_array().ok_or_else(|| wrong_type(key, "an array", v)))
@@ -213,6 +226,7 @@ impl GgufFile {
             .ok_or_else(|| GgufError::MissingKey("general.architecture".into()))
     }
 
+    /// The info of the tensor named `name`, if the file has one.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }

@@ -3,22 +3,36 @@
 /// The type tag of a metadata value (`enum gguf_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ValueType {
+    /// Unsigned 8-bit integer.
     U8 = 0,
+    /// Signed 8-bit integer.
     I8 = 1,
+    /// Unsigned 16-bit integer.
     U16 = 2,
+    /// Signed 16-bit integer.
     I16 = 3,
+    /// Unsigned 32-bit integer.
     U32 = 4,
+    /// Signed 32-bit integer.
     I32 = 5,
+    /// 32-bit float.
     F32 = 6,
+    /// Boolean, one byte.
     Bool = 7,
+    /// UTF-8 string, stored as a u64 byte length and the bytes.
     String = 8,
+    /// Array, stored as its element type, a u64 count and the elements.
     Array = 9,
+    /// Unsigned 64-bit integer.
     U64 = 10,
+    /// Signed 64-bit integer.
     I64 = 11,
+    /// 64-bit float.
     F64 = 12,
 }
 
 impl ValueType {
+    /// The type with tag `id`, or `None` for a tag GGUF does not define.
     pub fn from_id(id: u32) -> Option<Self> {
         use ValueType::*;
         Some(match id {
@@ -56,22 +70,36 @@ impl ValueType {
 /// A metadata value. Arrays keep their element type so that an empty array round-trips.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
+    /// Unsigned 8-bit integer.
     U8(u8),
+    /// Signed 8-bit integer.
     I8(i8),
+    /// Unsigned 16-bit integer.
     U16(u16),
+    /// Signed 16-bit integer.
     I16(i16),
+    /// Unsigned 32-bit integer.
     U32(u32),
+    /// Signed 32-bit integer.
     I32(i32),
+    /// 32-bit float.
     F32(f32),
+    /// Boolean.
     Bool(bool),
+    /// UTF-8 string.
     String(String),
+    /// Array: the element type and the elements.
     Array(ValueType, Vec<Value>),
+    /// Unsigned 64-bit integer.
     U64(u64),
+    /// Signed 64-bit integer.
     I64(i64),
+    /// 64-bit float.
     F64(f64),
 }
 
 impl Value {
+    /// The type tag this value is stored with.
     pub fn value_type(&self) -> ValueType {
         match self {
             Value::U8(_) => ValueType::U8,
@@ -105,6 +133,7 @@ impl Value {
         }
     }
 
+    /// Any integer value that fits in an i64.
     pub fn as_i64(&self) -> Option<i64> {
         match *self {
             Value::I8(v) => Some(v as i64),
@@ -124,6 +153,7 @@ impl Value {
         }
     }
 
+    /// The value of a `Bool`, or `None` for any other type.
     pub fn as_bool(&self) -> Option<bool> {
         match *self {
             Value::Bool(v) => Some(v),
@@ -131,6 +161,7 @@ impl Value {
         }
     }
 
+    /// The text of a `String`, or `None` for any other type.
     pub fn as_str(&self) -> Option<&str> {
         match self {
             Value::String(s) => Some(s),
@@ -138,6 +169,7 @@ impl Value {
         }
     }
 
+    /// The elements of an `Array`, or `None` for any other type.
     pub fn as_array(&self) -> Option<&[Value]> {
         match self {
             Value::Array(_, v) => Some(v),

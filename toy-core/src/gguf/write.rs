@@ -79,6 +79,7 @@ impl<'a> GgufWriter<'a> {
         &self.metadata
     }
 
+    /// The metadata value under `key`, if set.
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }
@@ -176,6 +177,7 @@ impl<'a> GgufWriter<'a> {
         )
     }
 
+    /// Number of tensors added so far.
     pub fn n_tensors(&self) -> usize {
         self.tensors.len()
     }

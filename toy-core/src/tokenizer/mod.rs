@@ -49,30 +49,47 @@ pub use self::stream::StreamDecoder;
 /// Everything that can go wrong when building a tokenizer from GGUF metadata or encoding text.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
+    /// A required tokenizer metadata key, named here, is absent: the file has no vocabulary.
     #[error(
         "the GGUF file has no tokenizer (metadata key {0:?} is missing); it cannot turn text into \
          tokens — use a GGUF converted with its vocabulary (llama.cpp's convert_hf_to_gguf.py \
          writes one)"
     )]
     MissingKey(&'static str),
+    /// A `tokenizer.ggml.model` other than "gpt2" and "llama".
     #[error(
         "tokenizer model {0:?} is not supported; toy reads \"gpt2\" (byte-level BPE) and \"llama\" \
          (SentencePiece) vocabularies"
     )]
     UnsupportedModel(String),
+    /// A `tokenizer.ggml.pre`, `pre`, that toy does not know; `supported` lists those it does.
     #[error(
         "pre-tokenizer {pre:?} (tokenizer.ggml.pre) is not supported; supported: {supported}. \
          toy refuses to guess because a wrong pre-tokenizer silently changes the token ids"
     )]
-    UnsupportedPre { pre: String, supported: String },
+    UnsupportedPre {
+        /// The `tokenizer.ggml.pre` value of the file.
+        pre: String,
+        /// The values toy supports, comma-separated.
+        supported: String,
+    },
+    /// Malformed or inconsistent tokenizer metadata, or a BPE pipeline that cannot be built.
     #[error("bad tokenizer metadata: {0}")]
     Invalid(String),
+    /// A GGUF error while reading the tokenizer metadata, such as a key of the wrong type.
     #[error("bad tokenizer metadata: {0}")]
     Gguf(#[from] GgufError),
+    /// `text` could not be tokenized; `reason` says why.
     #[error("cannot encode {text:?}: {reason}")]
-    Encode { text: String, reason: String },
+    Encode {
+        /// The text, or the piece of it, that failed.
+        text: String,
+        /// Why it could not be tokenized.
+        reason: String,
+    },
 }
 
+/// This module's result type, failing with `TokenizerError` by default.
 pub type Result<T, E = TokenizerError> = std::result::Result<T, E>;
 
 /// The vocabulary-type specific part.
@@ -133,14 +150,17 @@ impl Tokenizer {
         }
     }
 
+    /// Number of tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.tokens.len()
     }
 
+    /// The beginning-of-sequence token, if the vocabulary has one.
     pub fn bos_id(&self) -> Option<u32> {
         self.bos
     }
 
+    /// The end-of-sequence token, if the vocabulary has one.
     pub fn eos_id(&self) -> Option<u32> {
         self.eos
     }
@@ -155,10 +175,12 @@ impl Tokenizer {
         self.eos.map(|id| self.token_text(id))
     }
 
+    /// The unknown token, if the vocabulary has one.
     pub fn unknown_id(&self) -> Option<u32> {
         self.unk
     }
 
+    /// The padding token, if the metadata names one.
     pub fn padding_id(&self) -> Option<u32> {
         self.pad
     }

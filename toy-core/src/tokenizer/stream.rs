@@ -13,6 +13,7 @@ pub struct StreamDecoder<'a> {
 }
 
 impl<'a> StreamDecoder<'a> {
+    /// A decoder for ids of `tokenizer`, with nothing held back.
     pub fn new(tokenizer: &'a Tokenizer) -> Self {
         Self {
             tokenizer,

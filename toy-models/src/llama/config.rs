@@ -103,6 +103,7 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// The config of a loaded llama-family GGUF, from its `ModelConfig`.
     pub fn from_model_config(c: &toy_core::config::ModelConfig) -> Self {
         use toy_core::config::{FfnKind, QkNorm};
         let (n_expert, n_expert_used, expert_weights_norm) = match c.ffn {
@@ -315,8 +316,11 @@ impl LlamaConfig {
 /// one choice per context, not per position.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LongRope {
+    /// Divisors for a context longer than `original_context`.
     pub long: Vec<f32>,
+    /// Divisors for a context up to `original_context`.
     pub short: Vec<f32>,
+    /// The context the model was trained with before LongRoPE extension.
     pub original_context: usize,
 }
 

@@ -31,8 +31,11 @@ pub use config::{LlamaConfig, LongRope};
 /// The whole model.
 #[derive(Module, Debug)]
 pub struct Transformer<B: Backend> {
+    /// The token embedding table, `[vocab_size, d_model]`.
     pub token_embd: TokenEmbedding<B>,
+    /// The transformer blocks, first to last.
     pub blocks: Vec<Block<B>>,
+    /// The final RMSNorm, applied before the output head.
     pub output_norm: RmsNorm<B>,
     /// The output head's own matrix, or `None` for a tied head: then the head multiplies by
     /// `token_embd` itself ([`Transformer::head`]), so training updates one table through both
@@ -45,6 +48,7 @@ pub struct Transformer<B: Backend> {
     /// LongRoPE factors (phi3); [`Transformer::set_context`] picks long or short.
     #[module(skip)]
     pub long_rope: Option<LongRope>,
+    /// RoPE rotates interleaved pairs (GGUF `llama`) rather than half-split pairs.
     pub rope_interleaved: bool,
     /// The context this model runs with (the file's trained length unless set).
     pub context_length: usize,
@@ -59,13 +63,19 @@ pub struct Transformer<B: Backend> {
     pub final_softcap: Option<f32>,
 }
 
+/// One pre-norm transformer block: attention, then the feed-forward half, each added to the
+/// residual stream.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
+    /// RMSNorm before attention.
     pub attn_norm: RmsNorm<B>,
+    /// The self-attention sublayer.
     pub attn: Attention<B>,
     /// Norm of the attention output before the residual add (gemma2).
     pub post_attn_norm: Option<RmsNorm<B>>,
+    /// RMSNorm before the feed-forward half.
     pub ffn_norm: RmsNorm<B>,
+    /// The feed-forward sublayer.
     pub ffn: Ffn<B>,
     /// Norm of the MLP output before the residual add (gemma2).
     pub post_ffn_norm: Option<RmsNorm<B>>,
@@ -81,7 +91,9 @@ pub struct Block<B: Backend> {
 #[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum Ffn<B: Backend> {
+    /// One gated MLP.
     Dense(Mlp<B>),
+    /// A mixture of experts.
     Moe(Moe<B>),
 }
 
@@ -92,28 +104,44 @@ pub enum Ffn<B: Backend> {
 pub struct Moe<B: Backend> {
     /// `[n_expert, d_model]`: one router logit per expert.
     pub router: QLinear<B>,
+    /// The experts, gated MLPs of width `d_ff`.
     pub experts: Vec<Mlp<B>>,
+    /// Experts each token runs through.
     pub n_used: usize,
+    /// Renormalize the chosen experts' weights to sum to 1.
     pub norm_weights: bool,
 }
 
+/// Grouped-query causal self-attention with RoPE, and the variants' biases, norms, scales,
+/// soft-cap and sliding window.
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
+    /// Query projection, `[n_head * head_dim, d_model]`.
     pub wq: QLinear<B>,
+    /// Key projection, `[n_head_kv * head_dim, d_model]`.
     pub wk: QLinear<B>,
+    /// Value projection, `[n_head_kv * head_dim, d_model]`.
     pub wv: QLinear<B>,
+    /// Output projection, `[d_model, n_head * head_dim]`.
     pub wo: QLinear<B>,
     /// Q/K/V biases (qwen2).
     pub bq: Option<Param<Tensor<B, 1>>>,
+    /// Key bias (qwen2).
     pub bk: Option<Param<Tensor<B, 1>>>,
+    /// Value bias (qwen2).
     pub bv: Option<Param<Tensor<B, 1>>>,
     /// Query/key RMSNorm before RoPE: per head (qwen3) or, with `qk_norm_full`, over the whole
     /// projection (olmoe).
     pub q_norm: Option<RmsNorm<B>>,
+    /// Key RMSNorm before RoPE, as `q_norm`.
     pub k_norm: Option<RmsNorm<B>>,
+    /// Query heads.
     pub n_head: usize,
+    /// Key/value heads (`n_head` is a multiple: grouped-query attention).
     pub n_head_kv: usize,
+    /// Width of each head.
     pub head_dim: usize,
+    /// `q_norm` and `k_norm` span the whole projection rather than each head.
     pub qk_norm_full: bool,
     /// Queries are multiplied by this after RoPE and scores are not scaled again (gemma2).
     #[module(skip)]
@@ -121,8 +149,10 @@ pub struct Attention<B: Backend> {
     /// Otherwise the scores are scaled by this (granite), or by `1/sqrt(head_dim)`.
     #[module(skip)]
     pub kq_scale: Option<f32>,
+    /// Attention logit soft-cap (gemma2).
     #[module(skip)]
     pub softcap: Option<f32>,
+    /// Sliding-window size of this layer; `None`: it attends to every past token.
     #[module(skip)]
     pub window: Option<usize>,
     /// The RoPE angle set of this layer (`Transformer::ropes`); `None`: no RoPE (smollm3).
@@ -133,9 +163,13 @@ pub struct Attention<B: Backend> {
 /// A gated MLP: `down(act(gate(x)) * up(x))`, act = SiLU or (`gelu`) ggml's GELU-tanh.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
+    /// Gate projection, `[d_ff, d_model]`.
     pub gate: QLinear<B>,
+    /// Up projection, `[d_ff, d_model]`.
     pub up: QLinear<B>,
+    /// Down projection, `[d_model, d_ff]`.
     pub down: QLinear<B>,
+    /// Gate activation: ggml's GELU-tanh (gemma2) instead of SiLU.
     pub gelu: bool,
 }
 
@@ -143,6 +177,7 @@ pub struct Mlp<B: Backend> {
 type RopeTables<B> = Vec<(Tensor<B, 2>, Tensor<B, 2>)>;
 
 impl<B: ToyBackend> Transformer<B> {
+    /// Number of transformer blocks.
     pub fn n_layer(&self) -> usize {
         self.blocks.len()
     }
@@ -170,6 +205,7 @@ impl<B: ToyBackend> Transformer<B> {
         }
     }
 
+    /// An empty KV cache for one sequence of this model.
     pub fn new_cache(&self) -> KvCache<B> {
         KvCache::new(self.blocks.len())
     }

@@ -198,9 +198,12 @@ pub enum Init {
     /// makes the patches 7× fainter than the position embeddings of a 4×4×3 patch, and a
     /// vit-tiny learns the digits half as fast.
     Uniform {
+        /// Inputs feeding each output: channels × patch × patch for the patch embedding.
         fan_in: usize,
     },
+    /// All 0: linear biases and LayerNorm biases.
     Zeros,
+    /// All 1: LayerNorm weights.
     Ones,
 }
 
@@ -263,13 +266,19 @@ impl<B: ToyBackend, E, F: FnMut(&str, &[usize], Init) -> Result<Vec<f32>, E>> So
 /// One pre-norm block: `x + attn(norm1(x))`, then `h + mlp(norm2(h))`.
 #[derive(Module, Debug)]
 pub struct VitBlock<B: Backend> {
+    /// LayerNorm before attention.
     pub norm1: LayerNorm<B>,
     /// `[3 · d_model, d_model]`: Q, K and V stacked along the output (timm's `attn.qkv`).
     pub qkv: Linear<B>,
+    /// Attention output projection, `[d_model, d_model]` (timm's `attn.proj`).
     pub proj: Linear<B>,
+    /// LayerNorm before the MLP.
     pub norm2: LayerNorm<B>,
+    /// MLP up projection, `[d_ff, d_model]` (timm's `mlp.fc1`).
     pub fc1: Linear<B>,
+    /// MLP down projection, `[d_model, d_ff]` (timm's `mlp.fc2`).
     pub fc2: Linear<B>,
+    /// Attention heads.
     pub n_head: usize,
 }
 
@@ -282,10 +291,13 @@ pub struct Vit<B: Backend> {
     pub cls_token: Param<Tensor<B, 3>>,
     /// `[1, 1 + grid², d_model]`: the class token's position first, then the patches row by row.
     pub pos_embed: Param<Tensor<B, 3>>,
+    /// The transformer blocks, first to last.
     pub blocks: Vec<VitBlock<B>>,
+    /// The final LayerNorm, applied before the head.
     pub norm: LayerNorm<B>,
     /// `[n_classes, d_model]`.
     pub head: Linear<B>,
+    /// Side of a square patch (pixels).
     pub patch_size: usize,
 }
 
@@ -326,6 +338,7 @@ fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 }
 
 impl<B: ToyBackend> Vit<B> {
+    /// The device the model's weights are on.
     pub fn device(&self) -> B::Device {
         self.cls_token.device()
     }

@@ -28,40 +28,80 @@ pub const LABELS_KEY: &str = "vit.labels";
 /// the file.
 #[derive(Debug, thiserror::Error)]
 pub enum VitFileError {
+    /// Reading or writing the file failed.
     #[error("{file}: {source}")]
     Io {
+        /// The file's path.
         file: String,
+        /// The I/O error.
         source: std::io::Error,
     },
+    /// The file could not be parsed as safetensors or GGUF (or the GGUF written).
     #[error("{file}: not a safetensors file: {message}")]
-    Format { file: String, message: String },
+    Format {
+        /// The file.
+        file: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A tensor the model needs is not in the file.
     #[error("{file}: not a timm ViT: no tensor `{name}`")]
-    Missing { file: String, name: String },
+    Missing {
+        /// The file.
+        file: String,
+        /// The tensor it lacks.
+        name: String,
+    },
+    /// A tensor's shape is not the one the model needs.
     #[error("{file}: tensor `{name}` has shape {got:?}, expected {want:?}")]
     Shape {
+        /// The file's path.
         file: String,
+        /// The tensor's name in the file.
         name: String,
+        /// The shape in the file.
         got: Vec<usize>,
+        /// The shape expected (zeros where only its rank is known).
         want: Vec<usize>,
     },
+    /// A tensor's element type is not a float type toy reads.
     #[error("{file}: tensor `{name}` is {dtype}; toy reads F32, F16 and BF16")]
     Dtype {
+        /// The file's path.
         file: String,
+        /// The tensor's name in the file.
         name: String,
+        /// The tensor's element type.
         dtype: String,
     },
+    /// A tensor of a ViT variant toy does not run (register tokens, layer scale, q/k norms).
     #[error(
         "{file}: tensor `{name}` belongs to a ViT variant toy does not run (it runs timm's class-token ViTs without register tokens, layer scale or q/k norms)"
     )]
-    Unexpected { file: String, name: String },
+    Unexpected {
+        /// The file.
+        file: String,
+        /// The tensor toy does not know.
+        name: String,
+    },
+    /// The file's shape or metadata is missing, invalid or inconsistent (keys, heads, labels),
+    /// or the model could not be serialized.
     #[error("{file}: {message}")]
-    Config { file: String, message: String },
+    Config {
+        /// The configuration file.
+        file: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// A ViT read from a file: its shape, its weights and, when the file names them, its labels.
 pub struct LoadedVit<B: Backend> {
+    /// The model's shape.
     pub config: VitConfig,
+    /// The model with its weights.
     pub model: Vit<B>,
+    /// Class labels, one per class, when the file has them.
     pub labels: Option<Vec<String>>,
 }
 

@@ -17,6 +17,7 @@ use crate::images::Transform;
 /// The result of evaluating a classifier on labelled images.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ImageEval {
+    /// Images evaluated.
     pub images: usize,
     /// Mean cross-entropy of the true class (nats).
     pub loss: f64,

@@ -30,6 +30,7 @@ pub struct ImageDataConfig {
     /// Held-out images, a folder with the same class folders. `None`: `val_fraction` of each
     /// class of `train` is held out instead (a seeded draw).
     pub val: Option<PathBuf>,
+    /// Fraction of each class of `train` held out when there is no `val` folder.
     pub val_fraction: f64,
     /// Training augmentation: a random crop of the image padded by this many zero pixels on
     /// each side (0: no shift).
@@ -45,6 +46,7 @@ pub struct VisionConfig {
     pub vit: VitConfig,
     /// Class names (the class folders) in class-id order; written into the model.
     pub labels: Vec<String>,
+    /// The images and their augmentation.
     pub data: ImageDataConfig,
     /// Steps, batch (images per step), learning rates, warmup, weight decay, clipping;
     /// `seq_len` is 1 (an image is one prediction) and `grad_accum` 1.
@@ -61,6 +63,8 @@ pub struct VisionConfig {
 }
 
 impl VisionConfig {
+    /// Check the run before it starts: the model and optimizer settings (one device, no gradient
+    /// accumulation), one label per class, and the held-out fraction.
     pub fn check(&self) -> Result<(), TrainError> {
         self.vit.check().map_err(TrainError::Config)?;
         self.optim.check()?;
@@ -113,8 +117,11 @@ pub type Samples = Vec<(PathBuf, usize)>;
 /// A run's images: the classes, the training images and the held-out ones.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageSplit {
+    /// Class names, sorted: a class id is a position here.
     pub classes: Vec<String>,
+    /// The training images.
     pub train: Samples,
+    /// The held-out images.
     pub val: Samples,
 }
 

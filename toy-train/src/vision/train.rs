@@ -33,10 +33,15 @@ type Ad<B> = Autodiff<B>;
 /// How an image-classification run ended.
 #[derive(Debug, Clone)]
 pub struct VisionSummary {
+    /// Optimizer steps done.
     pub steps: usize,
+    /// The last step's training loss.
     pub final_loss: Option<f64>,
+    /// The last held-out evaluation since the run (re)started, if any.
     pub final_eval: Option<ImageEval>,
+    /// Training seconds, not counting time while the run was stopped.
     pub elapsed_s: f64,
+    /// The run's ViT GGUF (`runs/<id>/model.gguf`).
     pub model_path: PathBuf,
 }
 
