@@ -87,7 +87,7 @@ fn wgpu_infer_matches_llama_cpp() {
 }
 
 /// f16 weights and activations: on this prompt llama.cpp's margins are wide enough for f16's
-/// deviation (toy-models/tests/wgpu_f16.rs measures it), so the ids are still llama.cpp's.
+/// deviation (toy-models/tests/wgpu.rs, `f16::`, measures it), so the ids are still llama.cpp's.
 #[test]
 fn wgpu_f16_infer_matches_llama_cpp() {
     infer_matches_llama_cpp("wgpu", "f16");

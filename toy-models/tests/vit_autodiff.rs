@@ -8,6 +8,10 @@
 //! max(|fd|, [`FLOOR`]) (measured ≤ 2.7e-4; it cannot tell burn's own `gelu` backward, the
 //! tanh approximation's derivative, from the exact one: 3.4e-4 with it); in f32 (Flex, what `--backend cpu` trains on) it is loose
 //! (1e-2, measured ≤ 4.4e-4), to catch a wrong or missing gradient rather than rounding.
+//!
+//! A test binary of its own, not a module of `autodiff.rs`: that one differentiates on
+//! `NdArray<f64>`, and burn keeps one default float type per device, which `NdArray<f32>` (the
+//! seeded init here) and `NdArray<f64>` share — in one process, whichever runs first sets it.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
