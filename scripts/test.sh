@@ -27,10 +27,11 @@ phase "build the tests"
 cargo test --release --locked --workspace --no-run
 phase "tests"
 cargo test --release --locked --workspace
-phase "examples (built by cargo test): toy-models' train_loop; generate, embed and toy-serve's own_app on SmolLM2 Q8_0"
+phase "examples (built by cargo test): toy-models' train_loop, toy-kernels' custom_op; generate, embed, lora_loop and toy-serve's own_app on SmolLM2 Q8_0"
 EXAMPLES="$CARGO_TARGET_DIR/release/examples"
 SMOLLM2_Q8="${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf"
 "$EXAMPLES/train_loop" >&2  # asserts that its loss halves
+"$EXAMPLES/custom_op" wgpu >&2  # asserts that each override matches its reference body
 # The library's quick start must keep working: greedy SmolLM2 knows this one.
 generated=$("$EXAMPLES/generate" "$SMOLLM2_Q8" "The capital of France is")
 echo "$generated" >&2
@@ -38,10 +39,26 @@ grep -q "Paris" <<<"$generated"
 embedded=$("$EXAMPLES/embed" "$SMOLLM2_Q8")
 echo "$embedded" >&2
 grep -q 'nearest to "The cat sat on the mat.": "A kitten' <<<"$embedded"
+# QLoRA in a plain burn loop teaches the base one sentence (the example asserts the loss fell 4×).
+taught=$("$EXAMPLES/lora_loop" "$SMOLLM2_Q8")
+echo "$taught" >&2
+grep -q "^after: .*Pip" <<<"$taught"
 # toy-serve's ModelService mounted in an axum app of the example's own, asked one question.
 served=$("$EXAMPLES/own_app" "$SMOLLM2_Q8")
 echo "$served" >&2
 grep -q "Red" <<<"$served"
+phase "toy new: the generated app runs and the generated library's test passes (this checkout, its Cargo.lock)"
+# The same CARGO_TARGET_DIR: the projects reuse what the suite built wherever their dependencies
+# resolve to the same versions and features.
+NEW_DIR="${TMPDIR:-/tmp}/toy-new-$$"
+rm -rf "$NEW_DIR"
+"$CARGO_TARGET_DIR/release/toy" new "$NEW_DIR/app" >&2
+"$CARGO_TARGET_DIR/release/toy" new "$NEW_DIR/lib" --lib >&2
+app_out=$(cd "$NEW_DIR/app" && cargo run --release -q)
+echo "$app_out" >&2
+grep -q "^sample: " <<<"$app_out"
+(cd "$NEW_DIR/lib" && cargo test --release -q) >&2
+rm -rf "$NEW_DIR"
 phase "serve soak, 2 minutes: 16 clients of mixed and hostile requests (benches/serve-soak.sh; the hour-long run is by hand)"
 SOAK_S=120 TOY_BIN="$CARGO_TARGET_DIR/release/toy" benches/serve-soak.sh
 phase "fuzz smoke: each target of fuzz/ for 60 s (scripts/fuzz.sh; the long runs are by hand)"

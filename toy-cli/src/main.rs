@@ -13,6 +13,7 @@ mod infer;
 mod list;
 mod merge;
 mod models;
+mod new;
 mod runs;
 mod serve;
 mod tokenize;
@@ -44,6 +45,7 @@ use crate::backend::{BackendKind, Compute, FloatKind};
 ///   toy eval model.gguf --data text.txt
 ///   toy classify vit.gguf digit.png
 ///   toy serve model.gguf           (OpenAI-compatible HTTP API and a chat page)
+///   toy new my-app                 (a Cargo project that uses toy's crates)
 #[derive(Parser, Debug)]
 #[command(name = "toy", version, about, long_about = None, verbatim_doc_comment)]
 struct Cli {
@@ -108,6 +110,9 @@ enum Command {
     Runs(runs::RunsArgs),
     /// Serve a model over HTTP with OpenAI's API (chat, completions, embeddings) and a chat page.
     Serve(serve::ServeArgs),
+    /// Start a Cargo project that uses toy's crates: an app that trains a tiny model and samples
+    /// from it (or generates from a GGUF), or with `--lib` a library with a test.
+    New(new::NewArgs),
 }
 
 /// Keep freed memory in the process instead of handing it back to the kernel at once.
@@ -159,6 +164,7 @@ fn main() -> ExitCode {
         Command::Merge(args) => merge::run(args),
         Command::Runs(args) => runs::run(args),
         Command::Serve(args) => serve::run(compute, args),
+        Command::New(args) => new::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
