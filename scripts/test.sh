@@ -27,6 +27,8 @@ phase "build the tests"
 cargo test --release --locked --workspace --no-run
 phase "tests"
 cargo test --release --locked --workspace
+phase "cargo doc: the API reference builds with no warning (an undocumented public item, a broken link)"
+RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps --workspace
 phase "examples (built by cargo test): toy-models' train_loop, toy-kernels' custom_op; generate, embed, lora_loop and toy-serve's own_app on SmolLM2 Q8_0"
 EXAMPLES="$CARGO_TARGET_DIR/release/examples"
 SMOLLM2_Q8="${TOY_MODEL_CACHE:-$HOME/.cache/toy-models}/SmolLM2-135M-Instruct.Q8_0.gguf"

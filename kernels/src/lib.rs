@@ -1,6 +1,6 @@
 //! toy-kernels: the hot operations of toy behind one extension trait, [`ToyBackend`].
 //!
-//! Every op has a default body written with plain burn tensor ops ([`reference`]): that body is
+//! Every op has a default body written with plain burn tensor ops ([`mod@reference`]): that body is
 //! the specification every faster implementation is tested against, and it is what backends
 //! without an override run (`ndarray`). Overrides:
 //! - `CubeBackend` (`--backend wgpu`, `--backend cuda`): cubecl kernels ([`cube`]).

@@ -426,7 +426,7 @@ pub fn attention_probs<B: Backend>(
 const BACKWARD_ROWS: usize = 64;
 
 /// Gradients of attention w.r.t. q, k, v, from the saved inputs and `dO`, one chunk of
-/// [`BACKWARD_ROWS`] query positions at a time (FlashAttention's recomputation, in tensor ops):
+/// `BACKWARD_ROWS` query positions at a time (FlashAttention's recomputation, in tensor ops):
 /// each chunk recomputes its probabilities against only the keys its rows can see (up to its
 /// last position, and from its first row's window start), adds its `Pᵀ·dO` and `dSᵀ·Q` into the
 /// K/V gradients and writes its own rows of `dQ`. Query heads that share a K/V head are stacked

@@ -73,7 +73,7 @@ pub struct ServeArgs {
     /// Off by default: browsers then refuse other sites' scripts the server's answers.
     #[arg(long = "cors", value_name = "ORIGIN")]
     pub cors: Vec<String>,
-    /// Log every request as a toy/v1 event in <runs-dir>/<id>/events.jsonl.
+    /// Log every request as a toy/v1 event in `<runs-dir>/<id>/events.jsonl`.
     #[arg(long)]
     pub events: bool,
     /// Where --events creates its run directory.

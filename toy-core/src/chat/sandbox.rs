@@ -15,7 +15,7 @@
 //! forks the process itself. Forking a multi-threaded process leaves only the forking thread in
 //! the child; glibc makes `malloc` usable there, and the child runs nothing but minijinja and
 //! `write`, then `_exit`s. A child that still blocks (a lock held by a thread that did not come
-//! along) is killed after [`TIMEOUT`].
+//! along) is killed after `TIMEOUT`.
 
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
