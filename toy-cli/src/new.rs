@@ -278,6 +278,7 @@ use anyhow::Result;
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use toy_core::gguf::GgufFile;
 use toy_core::sampling::{Sampler, SamplingParams};
@@ -301,13 +302,16 @@ fn main() -> Result<()> {
 fn train_and_sample() -> Result<()> {
     type Train = Autodiff<Flex>;
     let device = Default::default();
+    // The same random initial weights on every run.
+    Train::seed(&device, 42);
     let bytes: Vec<i64> = TEXT.bytes().map(i64::from).collect();
     // n_layer, d_model, n_head, n_head_kv, head_dim, d_ff, vocab, context.
     let mut model = LlamaConfig::new(2, 64, 4, 2, 16, 128, 256, 64).init::<Train>(&device);
     let mut optimizer = AdamConfig::new().init();
-    let (batch, len) = (8, 32);
+    // Windows as long as the context, so that every position the sampling reaches was trained.
+    let (batch, len) = (8, 63);
     let mut seed = 1u64;
-    for step in 0..=150 {
+    for step in 0..=300 {
         // `batch` random windows of `len` bytes, the targets shifted by one.
         let (mut inputs, mut targets) = (Vec::new(), Vec::new());
         for _ in 0..batch {
@@ -323,7 +327,7 @@ fn train_and_sample() -> Result<()> {
         let targets =
             Tensor::<Train, 2, Int>::from_data(TensorData::new(targets, [batch, len]), &device);
         let loss = model.loss(inputs, targets);
-        if step % 50 == 0 {
+        if step % 100 == 0 {
             println!("step {step:3}  loss {:.3}", loss.clone().into_scalar());
         }
         let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -333,7 +337,7 @@ fn train_and_sample() -> Result<()> {
     let model = model.valid();
     let prompt: Vec<u32> = TEXT.bytes().take(16).map(u32::from).collect();
     let options = GenerateOptions {
-        max_new_tokens: 48,
+        max_new_tokens: 47,
         stop_at_eog: false,
     };
     let mut sampler = Sampler::new(SamplingParams::greedy());
