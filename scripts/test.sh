@@ -56,9 +56,11 @@ NEW_DIR="${TMPDIR:-/tmp}/toy-new-$$"
 rm -rf "$NEW_DIR"
 "$CARGO_TARGET_DIR/release/toy" new "$NEW_DIR/app" >&2
 "$CARGO_TARGET_DIR/release/toy" new "$NEW_DIR/lib" --lib >&2
-app_out=$(cd "$NEW_DIR/app" && cargo run --release -q)
-echo "$app_out" >&2
-grep -q "^sample: " <<<"$app_out"
+# The app is train_loop (which asserts that its loss halves) and generate, as the examples above.
+(cd "$NEW_DIR/app" && cargo run --release -q) >&2
+generated=$(cd "$NEW_DIR/app" && cargo run --release -q --bin generate -- "$SMOLLM2_Q8" "The capital of France is")
+echo "$generated" >&2
+grep -q "Paris" <<<"$generated"
 (cd "$NEW_DIR/lib" && cargo test --release -q) >&2
 rm -rf "$NEW_DIR"
 phase "serve soak, 2 minutes: 16 clients of mixed and hostile requests (benches/serve-soak.sh; the hour-long run is by hand)"

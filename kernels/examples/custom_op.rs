@@ -72,6 +72,7 @@ mod gpu {
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use cubecl::calculate_cube_count_elemwise;
     use cubecl::prelude::*;
 
     use super::{Softcap, softcap_reference};
@@ -108,16 +109,15 @@ mod gpu {
                 x.shape(),
                 x.dtype,
             );
-            let units = 256u32;
-            let cubes = x.shape().num_elements().div_ceil(units as usize);
-            // One grid dimension holds 65535 cubes on every runtime (wgpu's limit): spread
-            // larger grids over the second dimension (the kernel's ABSOLUTE_POS spans both).
-            let cx = cubes.clamp(1, 65535);
-            let cy = cubes.div_ceil(cx).max(1);
+            // One unit per element; cubecl spreads the cubes over the grid's dimensions within
+            // each runtime's limits (the kernel's ABSOLUTE_POS spans them all).
+            let cube_dim = CubeDim::new_1d(256);
+            let cube_count =
+                calculate_cube_count_elemwise(&x.client, x.shape().num_elements(), cube_dim);
             softcap_kernel::launch::<R>(
                 &x.client,
-                CubeCount::Static(cx as u32, cy as u32, 1),
-                CubeDim::new_1d(units),
+                cube_count,
+                cube_dim,
                 x.clone().into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 cap,

@@ -1,8 +1,9 @@
 //! `toy new DIR [--lib]`: a Cargo project that uses toy's crates, ready to `cargo run`.
 //!
-//! The app trains a tiny llama on a paragraph with burn's own optimizer and samples from it (or
-//! generates from a GGUF given on its command line); the library exposes the same training as a
-//! function with a test. Both depend on toy's crates by path (the checkout this `toy` was built
+//! The app is toy-models' own `train_loop` and `generate` examples (a tiny llama trained on a
+//! paragraph with burn's Adam, then sampled; text from a GGUF), taken from the source at build
+//! time, so what `toy new` writes is code the test suite compiles and runs; the library exposes
+//! the training as a generic function with a test. Both depend on toy's crates by path (the checkout this `toy` was built
 //! from, or `--toy-path`) or by version (`--toy-version`, once the crates are published), and a
 //! path project starts from toy's own `Cargo.lock`, so it builds with the versions toy is tested
 //! with.
@@ -19,8 +20,9 @@ use clap::Args;
 What it writes:
   Cargo.toml   burn (Flex CPU backend + Autodiff), toy-core, toy-kernels, toy-models
   Cargo.lock   toy's own (path dependencies only): the versions toy is tested with
-  src/main.rs  train a tiny llama on a paragraph with burn's Adam, then sample from it;
-               `cargo run --release -- MODEL.gguf \"prompt\"` generates from a GGUF instead
+  src/main.rs  train a tiny llama on a paragraph with burn's Adam, then sample from it
+  src/bin/generate.rs
+               `cargo run --release --bin generate -- MODEL.gguf \"prompt\"`: text from a GGUF
   src/lib.rs   (--lib) the same training as `train_tiny_model`, with a test
   README.md, .gitignore
 
@@ -149,18 +151,27 @@ fn project_files(name: &str, lib: bool, source: &Source) -> Result<Vec<(PathBuf,
         dep("toy-models", "toy-models"),
     ]
     .join("\n");
+    // The app has two binaries (src/main.rs and src/bin/generate.rs): plain `cargo run` runs the
+    // first.
+    let default_run = if lib {
+        String::new()
+    } else {
+        format!("\ndefault-run = \"{name}\"")
+    };
     let cargo_toml = CARGO_TOML
+        .replace("{default_run}", &default_run)
         .replace("{name}", name)
         .replace("{toy_deps}", &deps);
-    let crate_ident = name.replace('-', "_");
-    let (code_path, code, run) = if lib {
-        ("src/lib.rs", LIB_RS.to_string(), "cargo test --release")
+    let (code, run) = if lib {
+        (
+            vec![("src/lib.rs", LIB_RS.to_string())],
+            "cargo test --release",
+        )
     } else {
-        ("src/main.rs", MAIN_RS.to_string(), "cargo run --release")
+        (app_sources(), "cargo run --release")
     };
     let readme = README_MD
         .replace("{name}", name)
-        .replace("{crate}", &crate_ident)
         .replace("{run}", run)
         .replace(
             "{what}",
@@ -168,16 +179,19 @@ fn project_files(name: &str, lib: bool, source: &Source) -> Result<Vec<(PathBuf,
                 "A library that trains a tiny llama with toy's crates: `train_tiny_model` in \
                  `src/lib.rs`, checked by its test."
             } else {
-                "An application that trains a tiny llama with toy's crates and samples from it, \
-                 or generates text from a GGUF file."
+                "An application that trains a tiny llama with toy's crates and samples from it \
+                 (`src/main.rs`), and one that generates text from a GGUF file \
+                 (`src/bin/generate.rs`: `cargo run --release --bin generate -- MODEL.gguf \
+                 \"prompt\"`)."
             },
         );
-    let mut files = vec![
-        (PathBuf::from("Cargo.toml"), cargo_toml),
-        (PathBuf::from(code_path), code),
-        (PathBuf::from("README.md"), readme),
-        (PathBuf::from(".gitignore"), "/target\n".to_string()),
-    ];
+    let mut files = vec![(PathBuf::from("Cargo.toml"), cargo_toml)];
+    files.extend(
+        code.into_iter()
+            .map(|(path, text)| (PathBuf::from(path), text)),
+    );
+    files.push((PathBuf::from("README.md"), readme));
+    files.push((PathBuf::from(".gitignore"), "/target\n".to_string()));
     if let Source::Path(root) = source
         && let Ok(lock) = fs::read_to_string(root.join("Cargo.lock"))
     {
@@ -185,6 +199,27 @@ fn project_files(name: &str, lib: bool, source: &Source) -> Result<Vec<(PathBuf,
         files.push((PathBuf::from("Cargo.lock"), lock));
     }
     Ok(files)
+}
+
+/// The application's files: toy-models' examples, their `cargo run -p toy-models --example`
+/// lines rewritten for the new project.
+fn app_sources() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "src/main.rs",
+            TRAIN_LOOP_RS.replace(
+                "cargo run --release -p toy-models --example train_loop",
+                "cargo run --release",
+            ),
+        ),
+        (
+            "src/bin/generate.rs",
+            GENERATE_RS.replace(
+                "cargo run --release -p toy-models --example generate --",
+                "cargo run --release --bin generate --",
+            ),
+        ),
+    ]
 }
 
 /// Create `dir` (or use it if empty) and write `files` into it; on a failure, remove what was
@@ -222,6 +257,7 @@ fn write_project(dir: &Path, files: &[(PathBuf, String)]) -> Result<()> {
             for (path, _) in files {
                 let _ = fs::remove_file(dir.join(path));
             }
+            let _ = fs::remove_dir(dir.join("src/bin"));
             let _ = fs::remove_dir(dir.join("src"));
         }
     }
@@ -231,7 +267,7 @@ fn write_project(dir: &Path, files: &[(PathBuf, String)]) -> Result<()> {
 const CARGO_TOML: &str = r#"[package]
 name = "{name}"
 version = "0.1.0"
-edition = "2024"
+edition = "2024"{default_run}
 
 [dependencies]
 anyhow = "1"
@@ -266,128 +302,9 @@ The first build compiles burn (several minutes); later ones take seconds.
   (`toy_core::sampling`); `toy_models::save` writes a GGUF that `toy infer` and llama.cpp read.
 "#;
 
-const MAIN_RS: &str = r#"//! Train a tiny llama on a paragraph and sample from it, or generate from a GGUF:
-//!
-//!     cargo run --release
-//!     cargo run --release -- MODEL.gguf "The capital of France is"
-
-use std::io::Write;
-use std::ops::ControlFlow;
-
-use anyhow::Result;
-use burn::backend::{Autodiff, Flex};
-use burn::module::AutodiffModule;
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
-use toy_core::gguf::GgufFile;
-use toy_core::sampling::{Sampler, SamplingParams};
-use toy_core::tokenizer::{StreamDecoder, Tokenizer};
-use toy_models::generate::{GenerateOptions, generate};
-use toy_models::{LlamaConfig, load_model};
-
-const TEXT: &str = "Rust is a language empowering everyone to build reliable and efficient \
-software. It is fast and memory-efficient, with no runtime or garbage collector. Its rich type \
-system and ownership model guarantee memory-safety and thread-safety.";
-
-fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.as_slice() {
-        [] => train_and_sample(),
-        [model, prompt @ ..] => generate_from_gguf(model, &prompt.join(" ")),
-    }
-}
-
-/// A two-layer llama learns `TEXT` byte by byte (a vocabulary of 256) with burn's Adam.
-fn train_and_sample() -> Result<()> {
-    type Train = Autodiff<Flex>;
-    let device = Default::default();
-    // The same random initial weights on every run.
-    Train::seed(&device, 42);
-    let bytes: Vec<i64> = TEXT.bytes().map(i64::from).collect();
-    // n_layer, d_model, n_head, n_head_kv, head_dim, d_ff, vocab, context.
-    let mut model = LlamaConfig::new(2, 64, 4, 2, 16, 128, 256, 64).init::<Train>(&device);
-    let mut optimizer = AdamConfig::new().init();
-    // Windows as long as the context, so that every position the sampling reaches was trained.
-    let (batch, len) = (8, 63);
-    let mut seed = 1u64;
-    for step in 0..=300 {
-        // `batch` random windows of `len` bytes, the targets shifted by one.
-        let (mut inputs, mut targets) = (Vec::new(), Vec::new());
-        for _ in 0..batch {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let start = (seed >> 33) as usize % (bytes.len() - len - 1);
-            inputs.extend_from_slice(&bytes[start..start + len]);
-            targets.extend_from_slice(&bytes[start + 1..start + len + 1]);
-        }
-        let inputs =
-            Tensor::<Train, 2, Int>::from_data(TensorData::new(inputs, [batch, len]), &device);
-        let targets =
-            Tensor::<Train, 2, Int>::from_data(TensorData::new(targets, [batch, len]), &device);
-        let loss = model.loss(inputs, targets);
-        if step % 100 == 0 {
-            println!("step {step:3}  loss {:.3}", loss.clone().into_scalar());
-        }
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optimizer.step(3e-3, model, grads);
-    }
-    // The trained weights without the autodiff graph, greedy from the first 16 bytes.
-    let model = model.valid();
-    let prompt: Vec<u32> = TEXT.bytes().take(16).map(u32::from).collect();
-    let options = GenerateOptions {
-        max_new_tokens: 47,
-        stop_at_eog: false,
-    };
-    let mut sampler = Sampler::new(SamplingParams::greedy());
-    let (ids, _) = generate(
-        &model,
-        &prompt,
-        &options,
-        &mut sampler,
-        |_| false,
-        |_| ControlFlow::Continue(()),
-    )?;
-    let text: Vec<u8> = prompt.iter().chain(&ids).map(|&id| id as u8).collect();
-    println!("sample: {}", String::from_utf8_lossy(&text));
-    Ok(())
-}
-
-/// Greedy text from a GGUF model (any file `toy infer` runs), streamed as it comes.
-fn generate_from_gguf(path: &str, prompt: &str) -> Result<()> {
-    let file = GgufFile::open(path)?;
-    let tokenizer = Tokenizer::from_gguf(&file)?;
-    let (_, model) = load_model::<Flex>(&file, &Default::default(), |_, _| {})?;
-    let prompt = if prompt.is_empty() {
-        "Once upon a time"
-    } else {
-        prompt
-    };
-    print!("{prompt}");
-    let ids = tokenizer.encode(prompt, true, false)?;
-    let options = GenerateOptions {
-        max_new_tokens: 32,
-        stop_at_eog: true,
-    };
-    let mut sampler = Sampler::new(SamplingParams::greedy());
-    let mut decoder = StreamDecoder::new(&tokenizer);
-    generate(
-        &model,
-        &ids,
-        &options,
-        &mut sampler,
-        |id| tokenizer.is_eog(id),
-        |id| {
-            print!("{}", decoder.push(id));
-            let _ = std::io::stdout().flush();
-            ControlFlow::Continue(())
-        },
-    )?;
-    println!();
-    Ok(())
-}
-"#;
+/// toy-models' examples, compiled and run by the test suite; `toy new` copies them.
+const TRAIN_LOOP_RS: &str = include_str!("../../toy-models/examples/train_loop.rs");
+const GENERATE_RS: &str = include_str!("../../toy-models/examples/generate.rs");
 
 const LIB_RS: &str = r#"//! A tiny llama trained with toy's crates and burn's own optimizer.
 
@@ -472,6 +389,24 @@ mod tests {
         }
     }
 
+    /// The examples' usage lines are what `app_sources` rewrites: if an example's header changes,
+    /// the generated project must not tell users to run `-p toy-models --example`.
+    #[test]
+    fn the_app_is_the_examples_with_their_usage_pointed_at_the_project() {
+        let files = project_files("demo", false, &Source::Version("0.1.0".into())).unwrap();
+        let get = |p: &str| &files.iter().find(|(q, _)| q == Path::new(p)).unwrap().1;
+        let main = get("src/main.rs");
+        let generate = get("src/bin/generate.rs");
+        assert!(main.contains("//! cargo run --release\n"), "{main}");
+        assert!(generate.contains("cargo run --release --bin generate -- MODEL.gguf"));
+        for text in [main, generate] {
+            assert!(!text.contains("--example"), "{text}");
+        }
+        assert!(get("README.md").contains("--bin generate"));
+        // Two binaries: plain `cargo run` needs to know which.
+        assert!(get("Cargo.toml").contains("default-run = \"demo\""));
+    }
+
     #[test]
     fn refuses_a_folder_that_is_not_empty_and_writes_nothing() {
         let dir = std::env::temp_dir().join(format!("toy-new-busy-{}", std::process::id()));
@@ -495,6 +430,10 @@ mod tests {
         let get = |p: &str| &files.iter().find(|(q, _)| q == Path::new(p)).unwrap().1;
         let toml = get("Cargo.toml");
         assert!(toml.contains("name = \"demo\""), "{toml}");
+        assert!(
+            !toml.contains("default-run"),
+            "a library has no binary to run: {toml}"
+        );
         let models = format!(
             "toy-models = {{ path = \"{}\" }}",
             root.join("toy-models").display()
