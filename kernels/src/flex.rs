@@ -243,6 +243,19 @@ impl ToyBackend for Flex {
         }
     }
 
+    /// The weights as parallel tasks of one region: a thread that finishes its share of one
+    /// weight takes work from the next instead of waiting at the end of each matmul (a decoded
+    /// token's Q, K and V of SmolLM2 are 576, 192 and 192 rows: a few tasks each). Measured on
+    /// a Zen 4 with 2 threads, alternated runs: SmolLM2 decode +6% (Q8_0) and +8% (Q4_0),
+    /// Q4_0 prefill +5%. Each product is computed as alone, bit for bit; the row groups of a
+    /// batched pass go with each task to the thread that runs it.
+    fn packed_matmuls(x: FloatTensor<Self>, ws: Vec<PackedTensor<Self>>) -> Vec<FloatTensor<Self>> {
+        let groups = row_groups::current();
+        ws.into_par_iter()
+            .map(|w| row_groups::scoped(groups.clone(), || Self::packed_matmul(x.clone(), w)))
+            .collect()
+    }
+
     fn packed_matmul_backward(dy: FloatTensor<Self>, w: PackedTensor<Self>) -> FloatTensor<Self> {
         let dy = dy.to_contiguous();
         let (Some(host), Some((dys, [m, n]))) = (HostWeight::new(&w), matrix(&dy)) else {

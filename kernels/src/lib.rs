@@ -135,6 +135,16 @@ pub trait ToyBackend: Backend {
         reference::packed_matmul::<Self>(x, w)
     }
 
+    /// [`packed_matmul`](Self::packed_matmul) of the same activations with each of `ws` (a
+    /// block's Q, K and V projections, or its gate and up), the products in the order of `ws`.
+    /// The default computes them one after another; the CPU runs them as one parallel region,
+    /// so that its threads meet once for the group instead of once per weight.
+    fn packed_matmuls(x: FloatTensor<Self>, ws: Vec<PackedTensor<Self>>) -> Vec<FloatTensor<Self>> {
+        ws.into_iter()
+            .map(|w| Self::packed_matmul(x.clone(), w))
+            .collect()
+    }
+
     /// The rows `ids[n]` of a packed weight, dequantized: `[n, cols]` (an embedding lookup that
     /// widens only the rows it reads).
     fn packed_rows(w: PackedTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {

@@ -498,6 +498,73 @@ fn interleaved_layouts_give_the_file_layouts_bits() {
     }
 }
 
+/// `packed_matmuls` (a block's Q, K and V, or gate and up, in one call) gives each weight's own
+/// `packed_matmul`, bit for bit: for a decoded row, a prompt, and a batched pass's rows, whose
+/// declared row groups must reach the thread that computes each weight (on Flex the products
+/// run as tasks on rayon's workers; without the groups, the 17 rows would take the kernels of a
+/// 17-row prompt — checked below to give other bits, so this test can tell).
+#[test]
+fn packed_matmuls_equal_one_matmul_each() {
+    check::<Flex>();
+    check::<NdArray>();
+    fn check<B: ToyBackend>() {
+        let d = Default::default();
+        let k = 2 * 256;
+        let types = [
+            (GgmlType::Q4K, 48),
+            (GgmlType::Q8_0, 16),
+            (GgmlType::Q6K, 32),
+            (GgmlType::Q4_0, 64),
+        ];
+        let weights: Vec<PackedTensor<B>> = types
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, n))| PackedTensor::<B> {
+                repackable: true,
+                ..packed_tensor::<B>(&weight(ty, n, k, 300 + i as u64).0, &d)
+            })
+            .collect();
+        let bits = |t: burn::tensor::ops::FloatTensor<B>| -> Vec<u32> {
+            host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)))
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        for m in [1, 5, 17] {
+            let x = || {
+                float::<B, 2>(randn(m * k, 310 + m as u64), [m, k], &d)
+                    .into_primitive()
+                    .tensor()
+            };
+            let each = || -> Vec<Vec<u32>> {
+                weights
+                    .iter()
+                    .map(|w| bits(B::packed_matmul(x(), w.clone())))
+                    .collect()
+            };
+            let together = || -> Vec<Vec<u32>> {
+                B::packed_matmuls(x(), weights.clone())
+                    .into_iter()
+                    .map(bits)
+                    .collect()
+            };
+            assert_eq!(together(), each(), "m={m}");
+            if m == 17 {
+                let lens = [1, 4, 12];
+                let grouped_each = B::with_row_groups(&lens, each);
+                assert_eq!(
+                    B::with_row_groups(&lens, together),
+                    grouped_each,
+                    "row groups"
+                );
+                if B::row_layout() != RowLayout::Rows {
+                    assert_ne!(grouped_each, each(), "the row groups change no bits");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn quant_matmul_reference_ndarray() {
     check_matmul::<NdArray>(GgmlType::Q8_0, false);

@@ -370,6 +370,29 @@ pub fn project_with<B: ToyBackend, const D: usize>(
     }
 }
 
+/// [`project_with`] for several projections of the same `x` (a block's Q, K and V, or its gate
+/// and up): their base products computed together ([`QLinear::forward_each`]), each plus its
+/// own `delta` or adapter.
+pub fn project_each<B: ToyBackend, const D: usize, const N: usize>(
+    ws: [&QLinear<B>; N],
+    loras: [Option<&Lora<B>>; N],
+    deltas: [Option<Tensor<B, D>>; N],
+    x: Tensor<B, D>,
+) -> [Tensor<B, D>; N] {
+    let mut parts = loras.into_iter().zip(deltas);
+    QLinear::forward_each(ws, x.clone()).map(|y| {
+        let (lora, delta) = parts.next().expect("one adapter slot per projection");
+        let y = match lora {
+            Some(l) => y + l.forward(x.clone()),
+            None => y,
+        };
+        match delta {
+            Some(d) => y + d,
+            None => y,
+        }
+    })
+}
+
 /// A fused adapter's contribution for `x`, cut into its `N` parts' rows (`outs`): `None` for
 /// each part when there is no adapter.
 pub fn fused_deltas<B: ToyBackend, const D: usize, const N: usize>(

@@ -184,6 +184,36 @@ impl<B: ToyBackend> QLinear<B> {
         y.reshape(out)
     }
 
+    /// [`forward`](Self::forward) of each of `layers` on the same `x` (a block's Q, K and V, or
+    /// its gate and up), with the same results. Packed weights go to the backend together
+    /// ([`ToyBackend::packed_matmuls`]: on the CPU one parallel region instead of one per layer).
+    pub fn forward_each<const D: usize, const N: usize>(
+        layers: [&Self; N],
+        x: Tensor<B, D>,
+    ) -> [Tensor<B, D>; N] {
+        let packed: Option<Vec<PackedTensor<B>>> = layers
+            .iter()
+            .map(|layer| match layer {
+                QLinear::Packed(p) => Some(p.tensor()),
+                QLinear::Dense(_) => None,
+            })
+            .collect();
+        let Some(weights) = packed else {
+            return layers.map(|layer| layer.forward(x.clone()));
+        };
+        let dims = x.dims();
+        let x2: Tensor<B, 2> = x.reshape([-1, dims[D - 1] as i32]);
+        let mut ys = B::packed_matmuls(x2.into_primitive().tensor(), weights).into_iter();
+        std::array::from_fn(|_| {
+            let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(
+                ys.next().expect("one product per weight"),
+            ));
+            let mut out = dims;
+            out[D - 1] = y.dims()[1];
+            y.reshape(out)
+        })
+    }
+
     /// Mean cross-entropy of this layer as an output head: of the logits of `h[b, t, d]`
     /// against `targets[b, t]`. A dense weight goes through
     /// [`ToyBackend::linear_cross_entropy`], which need not hold the `[b·t, vocab]` logits; a

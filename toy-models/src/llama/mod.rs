@@ -20,7 +20,8 @@ use toy_kernels::{AttentionOptions, AttentionPart, RopeLayout, ToyBackend};
 use crate::cache::{self, KvCache, Segment};
 use crate::embedding::TokenEmbedding;
 use crate::lora::{
-    Adaptable, BlockLora, LoraBlock, LoraError, Target, fused_deltas, project, project_with,
+    Adaptable, BlockLora, LoraBlock, LoraError, Target, fused_deltas, project, project_each,
+    project_with,
 };
 use crate::qlinear::QLinear;
 
@@ -402,17 +403,21 @@ impl<B: ToyBackend> Attention<B> {
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let adapter = |target: Target| lora.and_then(|l| l.get(target));
-        // A fused Q|K|V adapter (phi3) gives each projection its rows.
-        let outs = [&self.wq, &self.wk, &self.wv].map(|w| w.dims()[0]);
-        let mut fused = fused_deltas(adapter(Target::Qkv), &x, outs).into_iter();
-        // Project (+ bias, + norm) every row at once; the norms are per token (or per head).
-        let project_normed = |w: &QLinear<B>,
-                              adapter,
-                              delta,
-                              bias: &Option<Param<Tensor<B, 1>>>,
-                              norm: &Option<RmsNorm<B>>,
-                              n: usize| {
-            let mut y = project_with(w, adapter, delta, x.clone());
+        // Project every row at once, Q, K and V together; a fused Q|K|V adapter (phi3) gives
+        // each projection its rows.
+        let weights = [&self.wq, &self.wk, &self.wv];
+        let outs = weights.map(|w| w.dims()[0]);
+        let [q_all, k_all, v_all] = project_each(
+            weights,
+            [adapter(Target::Q), adapter(Target::K), adapter(Target::V)],
+            fused_deltas(adapter(Target::Qkv), &x, outs),
+            x,
+        );
+        // + bias, + norm: the norms are per token (or per head).
+        let finish = |mut y: Tensor<B, 3>,
+                      bias: &Option<Param<Tensor<B, 1>>>,
+                      norm: &Option<RmsNorm<B>>,
+                      n: usize| {
             if let Some(bias) = bias {
                 y = y + bias.val().unsqueeze::<3>();
             }
@@ -429,30 +434,9 @@ impl<B: ToyBackend> Attention<B> {
             }
             y
         };
-        let q_all = project_normed(
-            &self.wq,
-            adapter(Target::Q),
-            fused.next().flatten(),
-            &self.bq,
-            &self.q_norm,
-            self.n_head,
-        );
-        let k_all = project_normed(
-            &self.wk,
-            adapter(Target::K),
-            fused.next().flatten(),
-            &self.bk,
-            &self.k_norm,
-            self.n_head_kv,
-        );
-        let v_all = project_normed(
-            &self.wv,
-            adapter(Target::V),
-            fused.next().flatten(),
-            &self.bv,
-            &None,
-            self.n_head_kv,
-        );
+        let q_all = finish(q_all, &self.bq, &self.q_norm, self.n_head);
+        let k_all = finish(k_all, &self.bk, &self.k_norm, self.n_head_kv);
+        let v_all = finish(v_all, &self.bv, &None, self.n_head_kv);
         // RoPE and attention per sequence: its positions, its cache.
         let n_segments = segments.len();
         let heads = |y: Tensor<B, 3>, n: usize| {
@@ -614,8 +598,12 @@ impl<B: ToyBackend> Mlp<B> {
         // A fused gate|up adapter (phi3) gives each its rows.
         let outs = [self.gate.dims()[0], self.up.dims()[0]];
         let [gate_delta, up_delta] = fused_deltas(adapter(Target::GateUp), &x, outs);
-        let gate = project_with(&self.gate, adapter(Target::Gate), gate_delta, x.clone());
-        let up = project_with(&self.up, adapter(Target::Up), up_delta, x);
+        let [gate, up] = project_each(
+            [&self.gate, &self.up],
+            [adapter(Target::Gate), adapter(Target::Up)],
+            [gate_delta, up_delta],
+            x,
+        );
         let h = if self.gelu {
             gelu_ggml(gate) * up
         } else {
