@@ -2,6 +2,7 @@
 //! native Flex quantized matmuls against the reference bodies.
 
 use burn::backend::{Autodiff, Flex, NdArray};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use toy_core::gguf::{GgmlType, dequantize_to_vec, quantize};
 use toy_core::rng::SplitMix64;
@@ -26,6 +27,14 @@ fn float<B: ToyBackend, const D: usize>(
 
 fn host<B: ToyBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().into_vec::<f32>().unwrap()
+}
+
+/// The bits of a 2-D op output, to compare two computations exactly.
+fn bits<B: ToyBackend>(t: FloatTensor<B>) -> Vec<u32> {
+    host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)))
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }
 
 fn packed<B: ToyBackend>(p: &HostPacked, d: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2>) {
@@ -446,19 +455,13 @@ fn interleaved_layouts_give_the_file_layouts_bits() {
             layout,
             ..plain.clone()
         };
-        let bits = |t: burn::tensor::ops::FloatTensor<B>| -> Vec<u32> {
-            host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)))
-                .iter()
-                .map(|v| v.to_bits())
-                .collect()
-        };
         for m in [1, 2, 3, 4, 5, 8, 17] {
             let x = || float::<B, 2>(randn(m * k, 92 + m as u64), [m, k], &d);
-            let want = bits(B::packed_matmul(
+            let want = bits::<B>(B::packed_matmul(
                 x().into_primitive().tensor(),
                 plain.clone(),
             ));
-            let got = bits(B::packed_matmul(
+            let got = bits::<B>(B::packed_matmul(
                 x().into_primitive().tensor(),
                 inter.clone(),
             ));
@@ -467,17 +470,17 @@ fn interleaved_layouts_give_the_file_layouts_bits() {
                 let lens = [1, 4, 12];
                 let batched = |w: &PackedTensor<B>| {
                     B::with_row_groups(&lens, || {
-                        bits(B::packed_matmul(x().into_primitive().tensor(), w.clone()))
+                        bits::<B>(B::packed_matmul(x().into_primitive().tensor(), w.clone()))
                     })
                 };
                 assert_eq!(batched(&inter), batched(&plain), "row groups");
             }
             let dy = || float::<B, 2>(randn(m * n, 93 + m as u64), [m, n], &d);
-            let want = bits(B::packed_matmul_backward(
+            let want = bits::<B>(B::packed_matmul_backward(
                 dy().into_primitive().tensor(),
                 plain.clone(),
             ));
-            let got = bits(B::packed_matmul_backward(
+            let got = bits::<B>(B::packed_matmul_backward(
                 dy().into_primitive().tensor(),
                 inter.clone(),
             ));
@@ -488,12 +491,12 @@ fn interleaved_layouts_give_the_file_layouts_bits() {
                 .into_primitive()
         };
         assert_eq!(
-            bits(B::packed_rows(inter.clone(), ids())),
-            bits(B::packed_rows(plain.clone(), ids()))
+            bits::<B>(B::packed_rows(inter.clone(), ids())),
+            bits::<B>(B::packed_rows(plain.clone(), ids()))
         );
         assert_eq!(
-            bits(B::packed_dequantize(inter)),
-            bits(B::packed_dequantize(plain))
+            bits::<B>(B::packed_dequantize(inter)),
+            bits::<B>(B::packed_dequantize(plain))
         );
     }
 }
@@ -524,12 +527,6 @@ fn packed_matmuls_equal_one_matmul_each() {
                 ..packed_tensor::<B>(&weight(ty, n, k, 300 + i as u64).0, &d)
             })
             .collect();
-        let bits = |t: burn::tensor::ops::FloatTensor<B>| -> Vec<u32> {
-            host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)))
-                .iter()
-                .map(|v| v.to_bits())
-                .collect()
-        };
         for m in [1, 5, 17] {
             let x = || {
                 float::<B, 2>(randn(m * k, 310 + m as u64), [m, k], &d)
@@ -539,13 +536,13 @@ fn packed_matmuls_equal_one_matmul_each() {
             let each = || -> Vec<Vec<u32>> {
                 weights
                     .iter()
-                    .map(|w| bits(B::packed_matmul(x(), w.clone())))
+                    .map(|w| bits::<B>(B::packed_matmul(x(), w.clone())))
                     .collect()
             };
             let together = || -> Vec<Vec<u32>> {
                 B::packed_matmuls(x(), weights.clone())
                     .into_iter()
-                    .map(bits)
+                    .map(bits::<B>)
                     .collect()
             };
             assert_eq!(together(), each(), "m={m}");

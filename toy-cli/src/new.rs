@@ -3,10 +3,10 @@
 //! The app is toy-models' own `train_loop` and `generate` examples (a tiny llama trained on a
 //! paragraph with burn's Adam, then sampled; text from a GGUF), taken from the source at build
 //! time, so what `toy new` writes is code the test suite compiles and runs; the library exposes
-//! the training as a generic function with a test. Both depend on toy's crates by path (the checkout this `toy` was built
-//! from, or `--toy-path`) or by version (`--toy-version`, once the crates are published), and a
-//! path project starts from toy's own `Cargo.lock`, so it builds with the versions toy is tested
-//! with.
+//! the training as a generic function with a test. Both depend on toy's crates by path (the
+//! checkout this `toy` was built from, or `--toy-path`) or by version (`--toy-version`, once the
+//! crates are published), and a path project starts from toy's own `Cargo.lock`, so it builds
+//! with the versions toy is tested with.
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -195,9 +195,25 @@ pub fn project<B: ToyBackend, const D: usize>(
     lora: Option<&Lora<B>>,
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
-    match lora {
-        None => w.forward(x),
-        Some(l) => w.forward(x.clone()) + l.forward(x),
+    project_with(w, lora, None, x)
+}
+
+/// `y`, a projection's base product for `x`, plus the adapter `lora`'s contribution, then plus
+/// `delta` (a fused adapter's rows for this part): the one place these sums are made, in this
+/// order.
+fn with_adapter<B: ToyBackend, const D: usize>(
+    y: Tensor<B, D>,
+    lora: Option<&Lora<B>>,
+    delta: Option<Tensor<B, D>>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let y = match lora {
+        Some(l) => y + l.forward(x),
+        None => y,
+    };
+    match delta {
+        Some(d) => y + d,
+        None => y,
     }
 }
 
@@ -363,11 +379,7 @@ pub fn project_with<B: ToyBackend, const D: usize>(
     delta: Option<Tensor<B, D>>,
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
-    let y = project(w, lora, x);
-    match delta {
-        Some(d) => y + d,
-        None => y,
-    }
+    with_adapter(w.forward(x.clone()), lora, delta, x)
 }
 
 /// [`project_with`] for several projections of the same `x` (a block's Q, K and V, or its gate
@@ -382,14 +394,7 @@ pub fn project_each<B: ToyBackend, const D: usize, const N: usize>(
     let mut parts = loras.into_iter().zip(deltas);
     QLinear::forward_each(ws, x.clone()).map(|y| {
         let (lora, delta) = parts.next().expect("one adapter slot per projection");
-        let y = match lora {
-            Some(l) => y + l.forward(x.clone()),
-            None => y,
-        };
-        match delta {
-            Some(d) => y + d,
-            None => y,
-        }
+        with_adapter(y, lora, delta, x.clone())
     })
 }
 

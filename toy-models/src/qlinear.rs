@@ -173,15 +173,12 @@ impl<B: ToyBackend> QLinear<B> {
     /// `x[.., in] -> [.., out]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let dims = x.dims();
-        let k = dims[D - 1];
-        let x2: Tensor<B, 2> = x.reshape([-1, k as i32]);
+        let x2 = as_rows(x);
         let y = match self {
             QLinear::Dense(w) => dense_linear(x2, w.val()),
             QLinear::Packed(p) => p.matmul(x2),
         };
-        let mut out = dims;
-        out[D - 1] = y.dims()[1];
-        y.reshape(out)
+        from_rows(y, dims)
     }
 
     /// [`forward`](Self::forward) of each of `layers` on the same `x` (a block's Q, K and V, or
@@ -202,15 +199,11 @@ impl<B: ToyBackend> QLinear<B> {
             return layers.map(|layer| layer.forward(x.clone()));
         };
         let dims = x.dims();
-        let x2: Tensor<B, 2> = x.reshape([-1, dims[D - 1] as i32]);
-        let mut ys = B::packed_matmuls(x2.into_primitive().tensor(), weights).into_iter();
+        let x2 = as_rows(x).into_primitive().tensor();
+        let mut ys = B::packed_matmuls(x2, weights).into_iter();
         std::array::from_fn(|_| {
-            let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(
-                ys.next().expect("one product per weight"),
-            ));
-            let mut out = dims;
-            out[D - 1] = y.dims()[1];
-            y.reshape(out)
+            let y = ys.next().expect("one product per weight");
+            from_rows(Tensor::from_primitive(TensorPrimitive::Float(y)), dims)
         })
     }
 
@@ -231,6 +224,19 @@ impl<B: ToyBackend> QLinear<B> {
             _ => cross_entropy(self.forward(h), targets),
         }
     }
+}
+
+/// `x[.., k]` as the rows `[n, k]` a matmul takes.
+fn as_rows<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 2> {
+    let k = x.dims()[D - 1];
+    x.reshape([-1, k as i32])
+}
+
+/// A matmul's output rows `[n, out]` back in the shape `dims` of its input, `out` last.
+fn from_rows<B: Backend, const D: usize>(y: Tensor<B, 2>, dims: [usize; D]) -> Tensor<B, D> {
+    let mut out = dims;
+    out[D - 1] = y.dims()[1];
+    y.reshape(out)
 }
 
 /// Mean next-token cross-entropy (natural log) of `logits[b, t, vocab]` against `targets[b, t]`.
